@@ -1,0 +1,149 @@
+"""The engine: validates requests, runs the scheduler, turns worker replies into token updates.
+
+A step is split into build_step() and process_step(), so that an asynchronous loop can put step
+N+1 on the wire before step N's tokens return (one step of lookahead); the offline LLM simply
+calls them back to back.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from common.config import SchedulerConfig, WorkerInfo
+from common.generated.nanovllm.worker.v1 import worker_pb2
+from common.sampling_params import SamplingParams
+from scheduler_service.block_manager import BlockManager
+from scheduler_service.scheduler import Scheduler, SchedulerOutput
+from scheduler_service.sequence import FinishReason, Sequence
+from scheduler_service.step_builder import build_step_request
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve; the message names the field and the limit."""
+
+
+@dataclass
+class TokenUpdate:
+    """What one step added to one sequence."""
+
+    seq: Sequence
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass
+class InFlightStep:
+    """A step sent to the worker whose reply has not been processed yet."""
+
+    step_id: int
+    request: worker_pb2.StepRequest
+    # For each sequence the step computes: the sequence and its preemption count at the time, so
+    # that a token for a sequence preempted since is recognised and dropped.
+    scheduled: dict[int, tuple[Sequence, int]]
+
+
+class EngineCore:
+    def __init__(self, config: SchedulerConfig, worker_info: WorkerInfo, eos_token_ids: Iterable[int]) -> None:
+        self.config = config
+        self.worker_info = worker_info
+        self.max_model_len = min(config.max_model_len or worker_info.max_model_len, worker_info.max_model_len)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.block_manager = BlockManager(worker_info.num_kv_blocks, worker_info.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        self.seq_id_to_seq: dict[int, Sequence] = {}
+        self._next_step_id = 1
+
+    # Requests.
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises RequestError for a request that can never be served."""
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise RequestError("prompt: must not be empty")
+        if num_prompt >= self.max_model_len:
+            raise RequestError(f"prompt: {num_prompt} tokens, the limit is {self.max_model_len - 1} "
+                               f"(max_model_len {self.max_model_len} minus one generated token)")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.worker_info.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, "
+                               f"{self.worker_info.vocab_size})")
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if num_prompt + 1 > capacity:
+            raise RequestError(f"prompt: {num_prompt} tokens do not fit in the KV cache ({capacity} tokens)")
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        self.validate(prompt_token_ids, params)
+        if self.scheduler.num_unfinished >= self.config.max_queue_size:
+            raise RequestError(f"queue: full ({self.config.max_queue_size} requests)")
+        seq = Sequence(list(prompt_token_ids), params)
+        self.seq_id_to_seq[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Stops a sequence now: its blocks return to the pool, the worker forgets it next step."""
+        self.finish(seq, FinishReason.ABORTED)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.scheduler.finish(seq, reason)
+        self.seq_id_to_seq.pop(seq.seq_id, None)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def take_released_seq_ids(self) -> list[int]:
+        """Ids the worker should forget now (used when no step is coming to carry them)."""
+        ids, self.scheduler._to_release = self.scheduler._to_release, []
+        return ids
+
+    # Steps.
+
+    def build_step(self) -> InFlightStep | None:
+        """Schedules the next step; None when there is nothing to send."""
+        output: SchedulerOutput = self.scheduler.schedule()
+        if output.is_empty:
+            return None
+        step_id = self._next_step_id
+        self._next_step_id += 1
+        request = build_step_request(step_id, output)
+        scheduled = {item.seq.seq_id: (item.seq, item.seq.num_preemptions) for item in output.scheduled}
+        return InFlightStep(step_id, request, scheduled)
+
+    def process_step(self, step: InFlightStep, response: worker_pb2.StepResponse) -> list[TokenUpdate]:
+        if response.step_id != step.step_id:
+            raise RuntimeError(f"worker answered step {response.step_id} to step {step.step_id}")
+        updates: list[TokenUpdate] = []
+        for sampled in response.tokens:
+            seq, epoch = step.scheduled[sampled.seq_id]
+            if seq.is_finished or seq.num_preemptions != epoch:
+                continue  # stopped or preempted while the step ran: the token is dropped
+            seq.num_pending_tokens -= 1
+            seq.append_token(sampled.token_id)
+            update = TokenUpdate(seq, sampled.token_id)
+            if sampled.HasField("logprob"):
+                update.logprob = sampled.logprob
+                update.top_logprobs = [(t.token_id, t.logprob) for t in sampled.top_logprobs]
+            reason = self._stop_reason(seq, sampled.token_id)
+            if reason is not None:
+                self.finish(seq, reason)
+                update.finished = True
+            updates.append(update)
+        for seq, epoch in step.scheduled.values():
+            if not seq.is_finished and seq.num_preemptions == epoch:
+                self.block_manager.register_computed_blocks(seq)
+        return updates
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        params = seq.sampling_params
+        if token_id in params.stop_token_ids:
+            seq.matched_stop = token_id
+            return FinishReason.STOP
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None

@@ -1,0 +1,133 @@
+"""The offline API: scheduler and worker in one process, talking through the same Step messages
+that cross gRPC between the services."""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as SequenceABC
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from common.config import SchedulerConfig, WorkerConfig, WorkerInfo, split_options
+from common.generated.nanovllm.worker.v1 import worker_pb2
+from common.sampling_params import SamplingParams
+from scheduler_service.detokenizer import IncrementalDetokenizer
+from scheduler_service.engine_core import EngineCore, TokenUpdate
+from scheduler_service.sequence import FinishReason, Sequence
+from scheduler_service.tokenizer import eos_token_ids, load_tokenizer
+
+Prompt = str | list[int]
+
+
+def worker_info_from(describe: worker_pb2.DescribeResponse, num_kv_blocks: int) -> WorkerInfo:
+    return WorkerInfo(model_name=describe.model_name, dtype=describe.dtype, block_size=describe.block_size,
+                      max_model_len=describe.max_model_len, vocab_size=describe.vocab_size,
+                      num_kv_blocks=num_kv_blocks, device=describe.device)
+
+
+class LLM:
+    """`LLM(model_path, **options).generate(prompts, sampling_params)`, as nano-vllm's.
+
+    Options are the fields of SchedulerConfig and WorkerConfig (block_size, max_num_seqs,
+    max_num_batched_tokens, max_model_len, num_kv_blocks, dtype, device, ...).
+    """
+
+    def __init__(self, model: str, **options: Any) -> None:
+        scheduler_options, worker_options = split_options(options)
+        self.scheduler_config = SchedulerConfig(**scheduler_options)
+        worker_config = WorkerConfig(model=model, **worker_options)
+        from worker_service.worker import WorkerCore  # torch is imported only here
+
+        self.worker = WorkerCore(worker_config)
+        describe = self.worker.describe()
+        if describe.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks: the memory budget holds no KV block")
+        num_blocks = self.worker.init_cache(worker_pb2.InitCacheRequest(num_kv_blocks=describe.num_kv_blocks))
+        self.tokenizer = load_tokenizer(model)
+        eos = eos_token_ids(model, self.tokenizer) | set(self.worker.eos_token_ids)
+        self.engine = EngineCore(self.scheduler_config, worker_info_from(describe, num_blocks.num_kv_blocks), eos)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompts: this checkpoint has no tokenizer; pass token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def generate(self, prompts: Prompt | SequenceABC[Prompt],
+                 sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[dict[str, Any]]:
+        """Returns {"text", "token_ids", "finish_reason"} per prompt, in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        params_list = _broadcast_params(sampling_params, len(prompts))
+        token_lists = [self.encode(p) for p in prompts]
+        for tokens, params in zip(token_lists, params_list, strict=True):
+            self.engine.validate(tokens, params)
+        sequences = [self.engine.add_request(t, p) for t, p in zip(token_lists, params_list, strict=True)]
+        detokenizers = {seq.seq_id: self._detokenizer(seq) for seq in sequences}
+        self._run(len(sequences), detokenizers, use_tqdm)
+        return [self._result(seq, detokenizers.get(seq.seq_id)) for seq in sequences]
+
+    def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        params = seq.sampling_params
+        return IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop, params.include_stop_in_output)
+
+    def _run(self, num_requests: int, detokenizers: dict, use_tqdm: bool) -> None:
+        bar = tqdm(total=num_requests, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        prefill_tps = decode_tps = 0.0
+        while self.engine.has_unfinished:
+            started = time.perf_counter()
+            step = self.engine.build_step()
+            if step is None:
+                raise RuntimeError("the scheduler has unfinished requests but cannot schedule any")
+            response = self.worker.step(step.request)
+            updates = self.engine.process_step(step, response)
+            elapsed = time.perf_counter() - started
+            num_prefill = sum(len(s.token_ids) for s in step.request.new_sequences) + sum(
+                len(s.token_ids) for s in step.request.running_sequences)
+            num_decode = sum(1 for s in step.request.running_sequences if not s.token_ids)
+            if num_prefill:
+                prefill_tps = num_prefill / elapsed
+            if num_decode:
+                decode_tps = num_decode / elapsed
+            for update in updates:
+                self._detokenize(update, detokenizers.get(update.seq.seq_id))
+                if update.finished:
+                    bar.update(1)
+            bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s")
+        bar.close()
+
+    def _detokenize(self, update: TokenUpdate, detokenizer: IncrementalDetokenizer | None) -> None:
+        """Adds the token's text; a completed stop string finishes the sequence."""
+        seq = update.seq
+        if detokenizer is None:
+            return
+        if update.finished and seq.finish_reason is FinishReason.STOP and not seq.sampling_params.include_stop_in_output:
+            return  # the EOS or stop token itself is not part of the text
+        if detokenizer.add_token(update.token_id) is not None and not update.finished:
+            self.engine.finish(seq, FinishReason.STOP_SEQUENCE)
+            seq.matched_stop = detokenizer.matched_stop
+            update.finished = True
+
+    def _result(self, seq: Sequence, detokenizer: IncrementalDetokenizer | None) -> dict[str, Any]:
+        text = ""
+        if detokenizer is not None:
+            detokenizer.finish()
+            text = detokenizer.text
+        token_ids = seq.output_token_ids
+        return {"text": text, "token_ids": token_ids, "finish_reason": seq.finish_reason.name.lower()}
+
+
+def _broadcast_params(params: SamplingParams | SequenceABC[SamplingParams] | None, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"sampling_params: {len(params)} given for {count} prompts")
+    return params

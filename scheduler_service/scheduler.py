@@ -1,0 +1,155 @@
+"""Decides, each step, which sequences compute which tokens.
+
+Policy: running sequences first, oldest first (a decode token each, or the next chunk of their
+prompt), then waiting sequences in arrival order while the token budget (max_num_batched_tokens)
+and max_num_seqs allow; a prompt longer than the remaining budget is prefilled in chunks. When the
+pool runs out of blocks, the newest running sequence is preempted: its blocks are freed and it
+waits at the front of the queue to be recomputed from its tokens.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from common.config import SchedulerConfig
+from scheduler_service.block_manager import BlockManager
+from scheduler_service.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    seq: Sequence
+    num_tokens: int  # tokens to compute this step, starting at start_position
+    start_position: int
+    is_new_on_worker: bool
+    samples: bool  # the chunk reaches the sequence's end, so the step samples a token for it
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    released_seq_ids: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(item.num_tokens for item in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.released_seq_ids
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        # Sequences the worker holds but must forget at the next step.
+        self._to_release: list[int] = []
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(output, budget)
+        if not output.preempted:
+            self._schedule_waiting(output, budget)
+        output.released_seq_ids = self._to_release
+        self._to_release = []
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_tokens = min(self._num_tokens_to_compute(seq), budget)
+            if num_tokens == 0:
+                index += 1
+                continue
+            end = seq.num_computed_tokens + num_tokens
+            while not self.block_manager.can_allocate_slots(seq, end):
+                victim = self.running[-1]
+                self._preempt(victim, output)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # seq itself was preempted: nothing newer is left to run
+            self.block_manager.allocate_slots(seq, end)
+            output.scheduled.append(self._mark_scheduled(seq, num_tokens))
+            budget -= num_tokens
+            index += 1
+        return budget
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            hit = self.block_manager.find_prefix_hit(seq)
+            num_cached = len(hit.blocks) * self.block_manager.block_size
+            num_tokens = min(seq.num_tokens - num_cached, budget)
+            if not self.block_manager.admit(seq, hit, num_tokens):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            output.scheduled.append(self._mark_scheduled(seq, num_tokens))
+            budget -= num_tokens
+
+    def _num_tokens_to_compute(self, seq: Sequence) -> int:
+        """Tokens seq can compute now; 0 when a step in flight will finish it anyway."""
+        if seq.num_pending_tokens and (
+            seq.num_scheduled_tokens_total >= self.max_model_len
+            or seq.num_output_tokens + seq.num_pending_tokens >= seq.sampling_params.max_tokens
+        ):
+            return 0
+        return seq.num_uncomputed_tokens
+
+    def _mark_scheduled(self, seq: Sequence, num_tokens: int) -> ScheduledSequence:
+        start = seq.num_computed_tokens
+        seq.num_computed_tokens += num_tokens
+        samples = seq.num_computed_tokens == seq.num_scheduled_tokens_total
+        if samples:
+            seq.num_pending_tokens += 1
+        return ScheduledSequence(seq, num_tokens, start, not seq.is_on_worker, samples)
+
+    def _preempt(self, seq: Sequence, output: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self._forget_on_worker(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_pending_tokens = 0
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        output.preempted.append(seq)
+
+    def _forget_on_worker(self, seq: Sequence) -> None:
+        if seq.is_on_worker:
+            self._to_release.append(seq.seq_id)
+            seq.num_blocks_on_worker = -1
+            seq.worker_holds_last_token = False
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Marks seq finished, frees its blocks and tells the worker at the next step."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._forget_on_worker(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.num_pending_tokens = 0

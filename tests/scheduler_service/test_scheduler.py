@@ -1,0 +1,146 @@
+"""Scheduler: admission limits, chunked prefill, decode, preemption order."""
+from __future__ import annotations
+
+from common.config import SchedulerConfig
+from common.sampling_params import SamplingParams
+from scheduler_service.block_manager import BlockManager
+from scheduler_service.scheduler import Scheduler, SchedulerOutput
+from scheduler_service.sequence import FinishReason, Sequence, SequenceStatus
+
+BLOCK = 16
+
+
+def make(num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_tokens: int = 1024,
+         max_model_len: int = 4096, prefix_caching: bool = True) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                             enable_prefix_caching=prefix_caching)
+    return Scheduler(config, BlockManager(num_blocks, BLOCK, prefix_caching), max_model_len)
+
+
+def add(scheduler: Scheduler, num_tokens: int, first_token: int = 0, max_tokens: int = 100) -> Sequence:
+    seq = Sequence(list(range(first_token, first_token + num_tokens)), SamplingParams(max_tokens=max_tokens))
+    scheduler.add(seq)
+    return seq
+
+
+def complete(scheduler: Scheduler, output: SchedulerOutput, token: int = 7) -> None:
+    """What the engine does with the worker's reply: sampled tokens appended, blocks registered."""
+    for item in output.scheduled:
+        item.seq.num_blocks_on_worker = len(item.seq.block_table)
+        if item.samples:
+            item.seq.num_pending_tokens -= 1
+            item.seq.append_token(token)
+        scheduler.block_manager.register_computed_blocks(item.seq)
+
+
+def planned(output: SchedulerOutput) -> list[tuple[int, int, int]]:
+    return [(item.seq.seq_id, item.start_position, item.num_tokens) for item in output.scheduled]
+
+
+def test_fcfs_admission_bounded_by_max_num_seqs() -> None:
+    scheduler = make(max_num_seqs=2)
+    seqs = [add(scheduler, 10, first_token=100 * i) for i in range(3)]
+    output = scheduler.schedule()
+    assert planned(output) == [(seqs[0].seq_id, 0, 10), (seqs[1].seq_id, 0, 10)]
+    assert all(item.samples and item.is_new_on_worker for item in output.scheduled)
+    assert list(scheduler.waiting) == [seqs[2]]
+    complete(scheduler, output)
+    # Next step: two decodes, the third still waits for a free seat.
+    output = scheduler.schedule()
+    assert planned(output) == [(seqs[0].seq_id, 10, 1), (seqs[1].seq_id, 10, 1)]
+    scheduler.finish(seqs[0], FinishReason.LENGTH)
+    complete(scheduler, output)
+    output = scheduler.schedule()
+    assert planned(output) == [(seqs[1].seq_id, 11, 1), (seqs[2].seq_id, 0, 10)]
+    assert output.released_seq_ids == [seqs[0].seq_id]
+
+
+def test_token_budget_chunks_long_prompt() -> None:
+    scheduler = make(max_num_batched_tokens=32)
+    long = add(scheduler, 80)
+    short = add(scheduler, 5, first_token=1000)
+    output = scheduler.schedule()
+    assert planned(output) == [(long.seq_id, 0, 32)]
+    assert not output.scheduled[0].samples
+    assert long.block_table == [0, 1]  # blocks only for the chunk
+    complete(scheduler, output)
+    output = scheduler.schedule()
+    assert planned(output) == [(long.seq_id, 32, 32)]
+    complete(scheduler, output)
+    output = scheduler.schedule()
+    # The last 16 prompt tokens leave budget for the short prompt in the same step.
+    assert planned(output) == [(long.seq_id, 64, 16), (short.seq_id, 0, 5)]
+    assert [item.samples for item in output.scheduled] == [True, True]
+    complete(scheduler, output)
+    assert long.num_tokens == 81 and long.num_computed_tokens == 80
+
+
+def test_decode_allocates_a_block_at_boundary() -> None:
+    scheduler = make()
+    seq = add(scheduler, 16)
+    complete(scheduler, scheduler.schedule())
+    assert seq.block_table == [0]
+    output = scheduler.schedule()
+    assert planned(output) == [(seq.seq_id, 16, 1)]
+    assert seq.block_table == [0, 1]
+
+
+def test_preemption_takes_newest_and_requeues_it_first() -> None:
+    scheduler = make(num_blocks=4)
+    old = add(scheduler, 32, first_token=0)  # 2 blocks
+    new = add(scheduler, 32, first_token=1000)  # 2 blocks: the pool is full
+    output = scheduler.schedule()
+    assert planned(output) == [(old.seq_id, 0, 32), (new.seq_id, 0, 32)]
+    complete(scheduler, output)
+    output = scheduler.schedule()  # both need a third block; only the oldest can have one
+    assert output.preempted == [new]
+    assert planned(output) == [(old.seq_id, 32, 1)]
+    assert output.released_seq_ids == [new.seq_id]
+    assert new.status is SequenceStatus.WAITING and new.block_table == [] and new.num_computed_tokens == 0
+    assert list(scheduler.waiting) == [new]
+    assert old.block_table == [0, 1, 3]  # new's last block (freed first) was reused last
+    complete(scheduler, output)
+    scheduler.finish(old, FinishReason.LENGTH)
+    output = scheduler.schedule()
+    # Recomputed from all its tokens, with its own first block revived from the prefix cache.
+    assert planned(output) == [(new.seq_id, 16, 17)]
+    assert output.scheduled[0].is_new_on_worker
+
+
+def test_running_sequence_preempts_itself_when_alone() -> None:
+    scheduler = make(num_blocks=2)
+    seq = add(scheduler, 32)
+    complete(scheduler, scheduler.schedule())
+    output = scheduler.schedule()
+    assert output.preempted == [seq] and output.scheduled == []
+
+
+def test_waiting_not_admitted_in_a_step_that_preempted() -> None:
+    scheduler = make(num_blocks=4)
+    a = add(scheduler, 32)
+    b = add(scheduler, 31, first_token=500)
+    complete(scheduler, scheduler.schedule())
+    c = add(scheduler, 1, first_token=900)
+    output = scheduler.schedule()
+    assert output.preempted == [b]
+    assert [item.seq for item in output.scheduled] == [a]
+    assert list(scheduler.waiting) == [b, c]
+
+
+def test_lookahead_does_not_schedule_past_max_tokens() -> None:
+    scheduler = make()
+    seq = add(scheduler, 10, max_tokens=1)
+    output = scheduler.schedule()  # the prefill samples the only token; its reply is pending
+    assert seq.num_pending_tokens == 1
+    assert scheduler.schedule().scheduled == []
+    complete(scheduler, output)
+    assert seq.num_pending_tokens == 0
+
+
+def test_lookahead_schedules_pending_decode() -> None:
+    scheduler = make()
+    seq = add(scheduler, 10)
+    scheduler.schedule()  # prefill in flight
+    output = scheduler.schedule()  # decode of the pending token, before the reply
+    assert planned(output) == [(seq.seq_id, 10, 1)]
+    assert seq.num_pending_tokens == 2

@@ -1,0 +1,38 @@
+"""Loads a checkpoint into our model: a Hugging Face folder (config.json + safetensors) or a GGUF file."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from worker_service.attention.base import AttentionBackend
+from worker_service.model_config import ModelConfig
+
+
+def find_gguf_file(path: Path) -> Path | None:
+    """The GGUF file that path names, or the only one in the folder it names."""
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").exists():
+        candidates = sorted(path.glob("*.gguf"))
+        if len(candidates) == 1:
+            return candidates[0]
+    return None
+
+
+def load_checkpoint(model: str, dtype: torch.dtype, device: torch.device,
+                    backend: AttentionBackend) -> tuple[nn.Module, ModelConfig]:
+    path = Path(model)
+    if not path.exists():
+        raise FileNotFoundError(f"model: {model} does not exist")
+    gguf_file = find_gguf_file(path)
+    if gguf_file is not None:
+        from worker_service.loader.gguf_loader import load_gguf_model
+
+        return load_gguf_model(gguf_file, dtype, device, backend)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"model: {model} holds neither config.json nor a .gguf file")
+    from worker_service.loader.safetensors_loader import load_model
+
+    return load_model(path, dtype, device, backend)

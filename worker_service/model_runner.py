@@ -1,0 +1,125 @@
+"""Holds the model and its paged KV cache; runs one forward pass and samples."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from common.config import WorkerConfig
+from worker_service.attention import default_backend_name, get_attention_backend
+from worker_service.batch import ModelInput
+from worker_service.model_loading import load_checkpoint
+from worker_service.sampler import Sampler, SamplerOutput, SamplingBatch
+from worker_service.sampling_inputs import sampling_batch_inputs
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        element_size = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element_size
+
+
+class ModelRunner:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        torch.manual_seed(config.seed)
+        backend_name = config.attention_backend
+        if backend_name == "auto":
+            backend_name = default_backend_name(self.device)
+        self.backend = get_attention_backend(backend_name)
+        self.model, self.model_config = load_checkpoint(config.model, self.dtype, self.device, self.backend)
+        self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
+        self.sampler = Sampler()
+        self.kv_spec = KVCacheSpec(self.model_config.num_layers, config.block_size,
+                                   self.model_config.num_kv_heads, self.model_config.head_dim, self.dtype)
+        self.num_kv_blocks = 0
+        self.kv_cache: torch.Tensor | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    # KV cache.
+
+    def available_kv_blocks(self) -> int:
+        """Blocks that fit in the memory budget (or the configured override)."""
+        if self.config.num_kv_blocks:
+            return self.config.num_kv_blocks
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+            budget = int(total * self.config.gpu_memory_utilization) - used_by_others \
+                - torch.cuda.max_memory_allocated(self.device)
+        else:
+            budget = self.config.cpu_kv_cache_bytes
+        return max(budget // self.kv_spec.bytes_per_block, 0)
+
+    def init_cache(self, num_blocks: int) -> int:
+        spec = self.kv_spec
+        self.kv_cache = None
+        self.kv_cache = torch.zeros((spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads,
+                                     spec.head_dim), dtype=spec.dtype, device=self.device)
+        for layer_index, attention in enumerate(self.model.attention_layers()):
+            attention.k_cache = self.kv_cache[layer_index, 0]
+            attention.v_cache = self.kv_cache[layer_index, 1]
+        self.num_kv_blocks = num_blocks
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, spec.block_size,
+                    num_blocks * spec.bytes_per_block / 2**20)
+        return num_blocks
+
+    # Steps.
+
+    @torch.inference_mode()
+    def run(self, model_input: ModelInput) -> SamplerOutput | None:
+        if self.kv_cache is None:
+            raise RuntimeError("the KV cache is not initialised (InitCache first)")
+        model_input = self._to_device(model_input)
+        hidden = self.model(model_input.input_ids, model_input.positions, model_input.metadata)
+        if not model_input.sampled_chunks:
+            return None
+        logits = self.model.compute_logits(hidden[model_input.logits_indices]).float()
+        batch = SamplingBatch.build(**sampling_batch_inputs(model_input.sampled_chunks),
+                                    vocab_size=self.vocab_size, device=self.device)
+        return self.sampler.sample(logits, batch)
+
+    def _to_device(self, model_input: ModelInput) -> ModelInput:
+        if self.device.type == "cpu":
+            return model_input
+        md = model_input.metadata
+        move = lambda t: t.pin_memory().to(self.device, non_blocking=True)  # noqa: E731
+        md.slot_mapping, md.query_start_loc = move(md.slot_mapping), move(md.query_start_loc)
+        md.seq_lens, md.block_tables = move(md.seq_lens), move(md.block_tables)
+        model_input.input_ids, model_input.positions = move(model_input.input_ids), move(model_input.positions)
+        model_input.logits_indices = move(model_input.logits_indices)
+        return model_input

@@ -1,0 +1,48 @@
+"""What a worker remembers of a sequence between steps: no more than the next step needs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.generated.nanovllm.worker.v1 import worker_pb2
+
+
+@dataclass
+class WorkerSequence:
+    seq_id: int
+    block_table: list[int]
+    num_computed_tokens: int  # tokens whose K/V are in the cache
+    num_tokens: int  # tokens the sequence holds, as far as this worker knows
+    num_prompt_tokens: int
+    sampling: worker_pb2.SamplingParams
+    last_token: int | None = None  # sampled by this worker, not computed yet
+    # Every token of the sequence, kept only when a penalty needs the history.
+    token_ids: list[int] | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def needs_history(self) -> bool:
+        return self.token_ids is not None
+
+    @classmethod
+    def from_message(cls, message: worker_pb2.NewSequence) -> WorkerSequence:
+        sampling = message.sampling
+        needs_history = any(sampling.HasField(name) for name in
+                            ("repetition_penalty", "frequency_penalty", "presence_penalty"))
+        history = None
+        if needs_history:
+            history = list(message.cached_token_ids)
+            if len(history) != message.num_computed_tokens:
+                raise ValueError(f"sequence {message.seq_id}: a penalty needs cached_token_ids for all "
+                                 f"{message.num_computed_tokens} cached tokens, got {len(history)}")
+        return cls(
+            seq_id=message.seq_id,
+            block_table=list(message.block_table),
+            num_computed_tokens=message.num_computed_tokens,
+            num_tokens=message.num_tokens,
+            num_prompt_tokens=message.num_prompt_tokens,
+            sampling=sampling,
+            token_ids=history,
+        )
