@@ -24,9 +24,8 @@ def proto_files() -> list[Path]:
 
 def generate(out_root: Path) -> None:
     """Writes *_pb2.py, *_pb2.pyi and *_pb2_grpc.py for every proto under out_root/common/generated."""
-    from grpc_tools import protoc  # dev dependency only
-
     import grpc_tools
+    from grpc_tools import protoc  # dev dependency only
 
     include = Path(grpc_tools.__file__).parent / "_proto"
     args = [

@@ -48,7 +48,8 @@ class SamplingParams:
                f"must be in [-2, 2], got {self.presence_penalty}")
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", f"must be in [0, 2^63), got {self.seed}")
         _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
-        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop",
+               f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for text in self.stop:
             _check(isinstance(text, str) and 0 < len(text) <= MAX_STOP_STRING_CHARS, "stop",
                    f"each stop string must have 1..{MAX_STOP_STRING_CHARS} characters, got {text!r}")

@@ -13,13 +13,11 @@ from common.config import SchedulerConfig, WorkerInfo
 from common.generated.nanovllm.worker.v1 import worker_pb2
 from common.sampling_params import SamplingParams
 from scheduler_service.block_manager import BlockManager
+from scheduler_service.detokenizer import IncrementalDetokenizer
+from scheduler_service.errors import QueueFullError, RequestError
 from scheduler_service.scheduler import Scheduler, SchedulerOutput
 from scheduler_service.sequence import FinishReason, Sequence
 from scheduler_service.step_builder import build_step_request
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve; the message names the field and the limit."""
 
 
 @dataclass
@@ -77,7 +75,7 @@ class EngineCore:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         self.validate(prompt_token_ids, params)
         if self.scheduler.num_unfinished >= self.config.max_queue_size:
-            raise RequestError(f"queue: full ({self.config.max_queue_size} requests)")
+            raise QueueFullError(f"queue: full ({self.config.max_queue_size} requests)")
         seq = Sequence(list(prompt_token_ids), params)
         self.seq_id_to_seq[seq.seq_id] = seq
         self.scheduler.add(seq)
@@ -99,6 +97,23 @@ class EngineCore:
         """Ids the worker should forget now (used when no step is coming to carry them)."""
         ids, self.scheduler._to_release = self.scheduler._to_release, []
         return ids
+
+    def take_unfinished(self) -> list[Sequence]:
+        """Removes every unfinished sequence, reset to be recomputed from its tokens (the worker
+        was lost, so nothing it held survives). Running ones come first, oldest first."""
+        sequences = [*self.scheduler.running, *self.scheduler.waiting]
+        self.scheduler.running.clear()
+        self.scheduler.waiting.clear()
+        for seq in sequences:
+            seq.reset_for_recompute()
+        self.seq_id_to_seq.clear()
+        return sequences
+
+    def adopt(self, sequences: list[Sequence]) -> None:
+        """Queues sequences taken from another engine, in order, ahead of nothing else."""
+        for seq in sequences:
+            self.seq_id_to_seq[seq.seq_id] = seq
+            self.scheduler.add(seq)
 
     # Steps.
 
@@ -136,6 +151,19 @@ class EngineCore:
             if not seq.is_finished and seq.num_preemptions == epoch:
                 self.block_manager.register_computed_blocks(seq)
         return updates
+
+    def add_text(self, update: TokenUpdate, detokenizer: IncrementalDetokenizer | None) -> None:
+        """Adds the token's text to the request's output; a completed stop string finishes it."""
+        seq = update.seq
+        if detokenizer is None:
+            return
+        params = seq.sampling_params
+        if update.finished and seq.finish_reason is FinishReason.STOP and not params.include_stop_in_output:
+            return  # the EOS or stop token itself adds no text
+        if detokenizer.add_token(update.token_id) is not None and not update.finished:
+            self.finish(seq, FinishReason.STOP_SEQUENCE)
+            seq.matched_stop = detokenizer.matched_stop
+            update.finished = True
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         params = seq.sampling_params

@@ -12,8 +12,8 @@ from common.config import SchedulerConfig, WorkerConfig, WorkerInfo, split_optio
 from common.generated.nanovllm.worker.v1 import worker_pb2
 from common.sampling_params import SamplingParams
 from scheduler_service.detokenizer import IncrementalDetokenizer
-from scheduler_service.engine_core import EngineCore, TokenUpdate
-from scheduler_service.sequence import FinishReason, Sequence
+from scheduler_service.engine_core import EngineCore
+from scheduler_service.sequence import Sequence
 from scheduler_service.tokenizer import eos_token_ids, load_tokenizer
 
 Prompt = str | list[int]
@@ -95,23 +95,11 @@ class LLM:
             if num_decode:
                 decode_tps = num_decode / elapsed
             for update in updates:
-                self._detokenize(update, detokenizers.get(update.seq.seq_id))
+                self.engine.add_text(update, detokenizers.get(update.seq.seq_id))
                 if update.finished:
                     bar.update(1)
             bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s")
         bar.close()
-
-    def _detokenize(self, update: TokenUpdate, detokenizer: IncrementalDetokenizer | None) -> None:
-        """Adds the token's text; a completed stop string finishes the sequence."""
-        seq = update.seq
-        if detokenizer is None:
-            return
-        if update.finished and seq.finish_reason is FinishReason.STOP and not seq.sampling_params.include_stop_in_output:
-            return  # the EOS or stop token itself is not part of the text
-        if detokenizer.add_token(update.token_id) is not None and not update.finished:
-            self.engine.finish(seq, FinishReason.STOP_SEQUENCE)
-            seq.matched_stop = detokenizer.matched_stop
-            update.finished = True
 
     def _result(self, seq: Sequence, detokenizer: IncrementalDetokenizer | None) -> dict[str, Any]:
         text = ""

@@ -49,6 +49,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         # Sequences the worker holds but must forget at the next step.
         self._to_release: list[int] = []
+        self.num_preemptions = 0  # counter, for tests and metrics
 
     @property
     def has_unfinished(self) -> bool:
@@ -131,6 +132,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_pending_tokens = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)
         output.preempted.append(seq)
 

@@ -91,5 +91,17 @@ class Sequence:
     def is_on_worker(self) -> bool:
         return self.num_blocks_on_worker >= 0
 
+    def reset_for_recompute(self) -> None:
+        """Forgets everything cache-related: the sequence is recomputed from its tokens. Tokens of
+        steps still in flight will be dropped (the preemption count changes)."""
+        self.status = SequenceStatus.WAITING
+        self.block_table = []
+        self.block_hashes = []
+        self.num_computed_tokens = 0
+        self.num_pending_tokens = 0
+        self.num_blocks_on_worker = -1
+        self.worker_holds_last_token = False
+        self.num_preemptions += 1
+
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from common.generated.nanovllm.worker.v1 import worker_pb2
 
@@ -17,6 +18,8 @@ class WorkerSequence:
     last_token: int | None = None  # sampled by this worker, not computed yet
     # Every token of the sequence, kept only when a penalty needs the history.
     token_ids: list[int] | None = None
+    # The sampler's view of `sampling`, converted once on first use.
+    sampling_params: Any = None
 
     @property
     def num_output_tokens(self) -> int:

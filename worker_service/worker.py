@@ -34,6 +34,7 @@ class WorkerCore:
             num_kv_blocks=runner.num_kv_blocks or runner.available_kv_blocks(),
             device=str(runner.device),
             tensor_parallel_size=1,
+            eos_token_ids=self.eos_token_ids,
         )
 
     def init_cache(self, request: worker_pb2.InitCacheRequest) -> worker_pb2.InitCacheResponse:

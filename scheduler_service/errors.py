@@ -1,0 +1,15 @@
+"""Errors the engine raises; the public server's interceptor maps each to one gRPC status code."""
+from __future__ import annotations
+
+
+class RequestError(ValueError):
+    """A request the engine can never serve (INVALID_ARGUMENT); the message names the field and
+    the limit, e.g. "max_tokens: must be >= 1, got 0"."""
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are queued (RESOURCE_EXHAUSTED)."""
+
+
+class EngineUnavailableError(RuntimeError):
+    """No worker is ready, or the service is draining (UNAVAILABLE)."""

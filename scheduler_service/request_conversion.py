@@ -1,0 +1,137 @@
+"""Public API requests -> what the engine takes: prompt token ids and SamplingParams.
+
+Every check here raises RequestError (INVALID_ARGUMENT) whose message starts with the public field
+name and states the limit. The engine validates again (prompt length, vocabulary); the checks
+repeated here are those the defaults depend on (max_tokens fills the context the prompt leaves) or
+that name a public field the engine does not know (token_ids, chat, top_logprobs).
+"""
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import numpy as np
+from jinja2.exceptions import TemplateError
+
+from common.generated.nanovllm.generate.v1 import generate_pb2
+from common.sampling_params import SamplingParams
+from scheduler_service.async_engine import ModelInfo
+from scheduler_service.errors import RequestError
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+# Optional request fields that map one to one onto SamplingParams fields of the same name.
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+_INT_FIELDS = ("top_k", "seed")
+# SamplingParams fields whose public name differs, for error messages.
+_PARAM_TO_PUBLIC_FIELD = {"num_top_logprobs": "top_logprobs"}
+
+# A transformers tokenizer (typed loosely: transformers is imported lazily elsewhere), or None.
+Tokenizer = Any
+
+
+def request_id_of(request: generate_pb2.GenerateRequest) -> str:
+    """The client's request id, or a fresh random one so that every log line can name the request."""
+    return request.request_id or uuid.uuid4().hex
+
+
+def prompt_token_ids(request: generate_pb2.GenerateRequest, tokenizer: Tokenizer | None,
+                     model_info: ModelInfo) -> list[int]:
+    """The prompt as token ids, whichever form it came in; checks emptiness, vocabulary, length."""
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        if not request.text:
+            raise RequestError("text: must not be empty")
+        ids = encode_text(tokenizer, request.text, add_special_tokens=True)
+    elif kind == "token_ids":
+        ids = list(request.token_ids.ids)
+        if not ids:
+            raise RequestError("token_ids: must not be empty")
+        check_vocabulary(ids, "token_ids", model_info.vocab_size)
+    elif kind == "chat":
+        ids = encode_chat(tokenizer, request.chat)
+    else:
+        raise RequestError("prompt: set one of text, token_ids or chat")
+    if not ids:
+        raise RequestError(f"{kind}: the prompt tokenizes to no tokens")
+    limit = model_info.max_model_len - 1
+    if len(ids) > limit:
+        raise RequestError(f"prompt: {len(ids)} tokens, the limit is {limit} "
+                           f"(max_model_len {model_info.max_model_len} minus one generated token)")
+    return ids
+
+
+def encode_text(tokenizer: Tokenizer | None, text: str, add_special_tokens: bool) -> list[int]:
+    if tokenizer is None:
+        raise RequestError("text: this model has no tokenizer; send token_ids")
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def encode_chat(tokenizer: Tokenizer | None, chat: generate_pb2.ChatMessages) -> list[int]:
+    """Applies the model's chat template with the generation prompt, then tokenizes."""
+    if tokenizer is None:
+        raise RequestError("chat: this model has no tokenizer; send token_ids")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise RequestError("chat: this model's tokenizer has no chat template; send text or token_ids")
+    if not chat.messages:
+        raise RequestError("chat.messages: must not be empty")
+    for index, message in enumerate(chat.messages):
+        if message.role not in CHAT_ROLES:
+            raise RequestError(f"chat.messages[{index}].role: must be one of {', '.join(CHAT_ROLES)}; "
+                               f"got {message.role!r}")
+    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    try:
+        # Rendered to text first: with tokenize=True, transformers 5 returns a BatchEncoding, 4 a list.
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except (TemplateError, ValueError) as exc:  # e.g. a template that demands alternating roles
+        raise RequestError(f"chat.messages: the model's chat template rejected them: {exc}") from exc
+    # The template already holds BOS and the like; adding special tokens again would double them.
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def check_vocabulary(token_ids: list[int], field: str, vocab_size: int) -> None:
+    for index, token_id in enumerate(token_ids):
+        if not 0 <= token_id < vocab_size:
+            raise RequestError(f"{field}: token id {token_id} at index {index} is outside the vocabulary "
+                               f"[0, {vocab_size})")
+
+
+def sampling_params(request: generate_pb2.GenerateRequest, num_prompt_tokens: int,
+                    model_info: ModelInfo) -> SamplingParams:
+    """SamplingParams from the request; unset fields take SamplingParams' defaults, except
+    max_tokens, which defaults to the room the context leaves after the prompt."""
+    kwargs: dict[str, Any] = {name: _float32_value(getattr(request, name))
+                              for name in _FLOAT_FIELDS if request.HasField(name)}
+    kwargs.update({name: getattr(request, name) for name in _INT_FIELDS if request.HasField(name)})
+    room = model_info.max_model_len - num_prompt_tokens
+    if request.HasField("max_tokens"):
+        if request.max_tokens > room:
+            raise RequestError(f"max_tokens: {request.max_tokens} + {num_prompt_tokens} prompt tokens exceed "
+                               f"max_model_len {model_info.max_model_len} (at most {room})")
+        kwargs["max_tokens"] = request.max_tokens
+    else:
+        kwargs["max_tokens"] = room
+    check_vocabulary(list(request.stop_token_ids), "stop_token_ids", model_info.vocab_size)
+    num_top_logprobs = request.top_logprobs if request.HasField("top_logprobs") else 0
+    try:
+        return SamplingParams(
+            **kwargs,
+            stop=tuple(request.stop),
+            stop_token_ids=tuple(request.stop_token_ids),
+            ignore_eos=request.ignore_eos,
+            include_stop_in_output=request.include_stop_in_output,
+            logprobs=request.logprobs or num_top_logprobs > 0,
+            num_top_logprobs=num_top_logprobs,
+        )
+    except ValueError as exc:
+        raise RequestError(_public_message(str(exc))) from exc
+
+
+def _float32_value(value: float) -> float:
+    """The shortest decimal that the wire's float32 stands for: 0.7 rather than 0.699999988, so that
+    error messages echo what the client sent."""
+    return float(str(np.float32(value)))
+
+
+def _public_message(message: str) -> str:
+    field, sep, rest = message.partition(":")
+    return f"{_PARAM_TO_PUBLIC_FIELD.get(field, field)}{sep}{rest}"

@@ -1,0 +1,80 @@
+"""Tiny random Hugging Face checkpoints (float32, safetensors) for CPU parity tests."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_ARCH_TO_CLASSES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+}
+
+
+def make_tiny_checkpoint(
+    tmp_path: Path,
+    arch: str,
+    *,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    vocab_size: int = 512,
+    intermediate_size: int | None = None,
+    tie: bool = False,
+    rope_scaling: dict[str, Any] | None = None,
+    rope_theta: float = 10000.0,
+    max_position_embeddings: int = 256,
+    max_shard_size: int | str | None = None,
+    seed: int = 0,
+) -> Path:
+    """Saves a randomly initialised HF model of arch ("qwen3", "llama", "qwen2") to tmp_path/arch and
+    returns the folder. rope_scaling is HF's dict without rope_theta, e.g. {"rope_type": "linear",
+    "factor": 2.0}; max_shard_size splits the safetensors into shards with an index json.
+
+    Weights are redrawn at a larger scale than HF's init (std 0.02), and norm weights and biases
+    are made non-trivial, so that attention is sharp and a wrongly loaded tensor changes the logits.
+    """
+    import transformers
+
+    config_name, model_name = _ARCH_TO_CLASSES[arch]
+    config = getattr(transformers, config_name)(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie,
+        rope_parameters={"rope_type": "default", **(rope_scaling or {}), "rope_theta": rope_theta},
+        rms_norm_eps=1e-6,
+        eos_token_id=vocab_size - 1,
+        bos_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).to(torch.float32)
+    _randomise(model, seed)
+    folder = Path(tmp_path) / arch
+    kwargs: dict[str, Any] = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(folder, **kwargs)
+    return folder
+
+
+def _randomise(model: torch.nn.Module, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if "norm" in name:
+                param.copy_(1.0 + 0.2 * noise)
+            elif param.ndim == 1:  # biases
+                param.copy_(0.2 * noise)
+            elif "embed_tokens" in name:
+                param.copy_(noise)
+            else:
+                param.copy_(noise / param.shape[1] ** 0.5)

@@ -1,0 +1,1 @@
+"""The worker service: holds the model and its paged KV cache, and runs the steps the scheduler sends."""

@@ -1,0 +1,65 @@
+"""Attention backends, chosen by name from a small registry.
+
+Backends register themselves with `@register_backend(name)` when their module is imported. The
+modules are imported lazily, on the first request for one of their names, so asking for the CPU
+backend never imports Triton or CUDA code.
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import torch
+
+from worker_service.attention.base import AttentionBackend, AttentionMetadata
+
+# name -> module that registers it on import. GPU backends add their line here.
+_BACKEND_MODULES: dict[str, str] = {
+    "torch": "worker_service.attention.torch_backend",
+}
+# device type -> default backend name; devices not listed fall back to the portable "torch" backend.
+_DEVICE_DEFAULTS: dict[str, str] = {
+    "cpu": "torch",
+}
+_REGISTRY: dict[str, type[AttentionBackend]] = {}
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "available_backends",
+    "default_backend_name",
+    "get_attention_backend",
+    "register_backend",
+]
+
+
+def register_backend(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:
+    """Class decorator: registers an AttentionBackend subclass under name (and sets its `name`)."""
+
+    def decorate(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"attention backend {name!r} is already registered by {_REGISTRY[name].__name__}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return decorate
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    """A new instance of the backend registered under name, importing its module if needed."""
+    if name not in _REGISTRY and name in _BACKEND_MODULES:
+        importlib.import_module(_BACKEND_MODULES[name])
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown attention backend {name!r}; known: {available_backends()}")
+    return _REGISTRY[name]()
+
+
+def available_backends() -> list[str]:
+    """Names that get_attention_backend accepts (importable or already registered)."""
+    return sorted(set(_BACKEND_MODULES) | set(_REGISTRY))
+
+
+def default_backend_name(device: torch.device) -> str:
+    """The backend to use on device when the config names none."""
+    return _DEVICE_DEFAULTS.get(torch.device(device).type, "torch")

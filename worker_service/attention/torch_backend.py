@@ -1,0 +1,79 @@
+"""A pure-torch attention backend over the paged KV cache: the reference implementation, and the
+CPU backend. Loops over sequences on the host, so it is for tests and CPU serving, not for speed."""
+from __future__ import annotations
+
+import torch
+
+from worker_service.attention import register_backend
+from worker_service.attention.base import AttentionBackend, AttentionMetadata
+
+
+@register_backend("torch")
+class TorchAttentionBackend(AttentionBackend):
+    """Prefill, chunked prefill with a cached prefix, and decode are one code path: the query tokens
+    of a sequence are always the last query_len positions of its seq_len-long context."""
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 metadata: AttentionMetadata) -> None:
+        slots = metadata.slot_mapping
+        if k.shape[0] != slots.shape[0]:
+            raise ValueError(f"{k.shape[0]} new tokens but {slots.shape[0]} slots")
+        # Negative slots mark padding tokens (e.g. a padded CUDA graph batch): nothing to store.
+        keep = slots >= 0
+        if not bool(keep.all()):
+            slots, k, v = slots[keep], k[keep], v[keep]
+        num_kv_heads, head_dim = k_cache.shape[-2:]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        query_lens, seq_lens = _host_lengths(metadata)
+        out = torch.empty_like(q)
+        start = 0
+        for seq_index, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+            if query_len == 0:
+                continue
+            k, v = _gather_context(k_cache, v_cache, metadata.block_tables[seq_index], seq_len, metadata.block_size)
+            out[start:start + query_len] = _causal_attention(q[start:start + query_len], k, v, scale)
+            start += query_len
+        return out
+
+
+def _host_lengths(metadata: AttentionMetadata) -> tuple[list[int], list[int]]:
+    """Query and context lengths per sequence as Python ints (one sync when the host copies are absent)."""
+    query_lens = metadata.query_lens_host
+    if query_lens is None:
+        query_lens = metadata.query_start_loc.diff().tolist()
+    seq_lens = metadata.seq_lens_host if metadata.seq_lens_host is not None else metadata.seq_lens.tolist()
+    return query_lens, seq_lens
+
+
+def _gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+                    block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of positions 0..seq_len-1 of one sequence: [seq_len, num_kv_heads, head_dim] each."""
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_table[:num_blocks].long()
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    return k, v
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [query_len, num_heads, d] are the last query_len positions of the context k, v [seq_len, num_kv_heads, d].
+
+    Computed as HF's eager attention does (scores, then softmax, then weighted sum), in float32.
+    """
+    query_len, num_heads, _ = q.shape
+    seq_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    # GQA: query head h reads kv head h // group, HF's repeat_kv order.
+    k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, seq_len, d]
+    v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.matmul(q.float().transpose(0, 1), k.transpose(1, 2)) * scale  # [heads, query_len, seq_len]
+    query_positions = torch.arange(seq_len - query_len, seq_len, device=q.device)
+    is_future = torch.arange(seq_len, device=q.device)[None, :] > query_positions[:, None]
+    scores.masked_fill_(is_future, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v).transpose(0, 1).to(q.dtype)  # [query_len, heads, d]

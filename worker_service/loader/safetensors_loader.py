@@ -1,0 +1,77 @@
+"""Loads HF safetensors checkpoints (single file or sharded) into our models."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from worker_service.attention import AttentionBackend, default_backend_name, get_attention_backend
+from worker_service.loader.weight_mapping import LoadedKey, check_all_loaded, load_named_tensor
+from worker_service.model_config import ModelConfig
+from worker_service.models import LlamaForCausalLM, build_model
+
+
+def checkpoint_files(folder: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint. With an index json, only the files it names (a folder
+    may also hold e.g. a consolidated copy of the same weights); otherwise every *.safetensors."""
+    folder = Path(folder)
+    indexes = sorted(folder.glob("*.safetensors.index.json"))
+    if len(indexes) == 1:
+        weight_map: dict[str, str] = json.loads(indexes[0].read_text())["weight_map"]
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    return files
+
+
+def iter_safetensors(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor on the CPU) for every tensor of the checkpoint, one file open at a time."""
+    for path in checkpoint_files(folder):
+        with safe_open(str(path), framework="pt", device="cpu") as file:
+            for name in file.keys():
+                yield name, file.get_tensor(name)
+
+
+def load_hf_weights(model: nn.Module, folder: str | Path) -> None:
+    """Fills every parameter of model from the checkpoint in folder; raises if any tensor is unknown,
+    loaded twice, or if any parameter is left unloaded."""
+    loaded: set[LoadedKey] = set()
+    for hf_name, tensor in iter_safetensors(folder):
+        key = load_named_tensor(model, hf_name, tensor)
+        if key is None:
+            continue
+        if key in loaded:
+            raise ValueError(f"checkpoint tensor {hf_name!r} appears more than once in {folder}")
+        loaded.add(key)
+    check_all_loaded(model, loaded)
+
+
+def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | str,
+               backend: AttentionBackend | str | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Builds the model of an HF folder directly on device in dtype and loads its weights.
+
+    backend: an instance, a registry name, or None for the device's default backend.
+    """
+    config = ModelConfig.from_hf_folder(folder)
+    device = torch.device(device)
+    if backend is None:
+        backend = default_backend_name(device)
+    if isinstance(backend, str):
+        backend = get_attention_backend(backend)
+    previous_dtype = torch.get_default_dtype()
+    # Parameters are created in place (no float32 copy on the host, no later .to(dtype) that would
+    # also round the rotary tables, which stay float32 by construction).
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = build_model(config, backend)
+    finally:
+        torch.set_default_dtype(previous_dtype)
+    load_hf_weights(model, folder)
+    return model.eval(), config

@@ -1,0 +1,162 @@
+"""Batched sampling: penalties, greedy argmax, temperature, top-k, top-p, min-p, seeded or unseeded
+sampling, and log-probabilities, each row with its own parameters (see `SamplingBatch`).
+
+Every op runs on the device with no host-device synchronisation. Sampling uses the exponential
+race: argmax(p / q) with q ~ Exp(1) i.i.d. picks token i with probability p_i / sum(p), so no
+cumulative search (and no renormalisation after filtering) is needed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker_service.sampling_state import SamplingBatch, SequenceSamplingParams, generator_seed
+
+__all__ = [
+    "Sampler",
+    "SamplerOutput",
+    "SamplingBatch",
+    "SequenceSamplingParams",
+    "apply_penalties",
+    "generator_seed",
+    "seeded_exponential_noise",
+]
+
+# Exp(1) draws can be exactly 0 (a uniform draw of 1); p / 0 would beat every real candidate, and
+# 0 / 0 = NaN would let argmax pick a filtered token.
+_MIN_NOISE = torch.finfo(torch.float32).tiny
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """One sampled token per row, with log-probabilities when any row asked for them.
+
+    Log-probabilities are those of the raw model logits (before penalties, temperature and
+    filtering). top_* hold max_num_top_logprobs columns for every row, sorted by decreasing
+    logprob; rows that asked for fewer (or none) use a prefix (or ignore them).
+    """
+
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None = None  # [B] float32
+    top_token_ids: torch.Tensor | None = None  # [B, K] int64
+    top_logprobs: torch.Tensor | None = None  # [B, K] float32
+
+
+class Sampler:
+    """Samples one token per row of a [B, V] logits tensor, following each row's parameters."""
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Samples from `logits` ([B, V], any float dtype; never modified) with `batch` built for
+        the same rows."""
+        if logits.dim() != 2 or tuple(logits.shape) != (batch.num_seqs, batch.vocab_size):
+            raise ValueError(f"logits of shape {tuple(logits.shape)} for {batch.num_seqs} rows of {batch.vocab_size}")
+        raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32) if batch.needs_logprobs else None
+        logits = apply_penalties(logits, batch)
+        if batch.is_all_greedy:
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = _sample_rows(logits, batch)
+        return _output(token_ids, raw_logprobs, batch.max_num_top_logprobs)
+
+    __call__ = sample
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Returns the logits with the repetition, frequency and presence penalties applied, as a new
+    float32 tensor; returns `logits` itself when no row has a penalty."""
+    if batch.seen_token_mask is not None:
+        logits = logits.float()
+        penalty = batch.repetition_penalties[:, None]
+        # HF semantics: a seen token's logit moves towards zero (for penalty > 1) on either side.
+        penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
+        logits = torch.where(batch.seen_token_mask, penalised, logits)
+    if batch.output_token_counts is not None:
+        counts = batch.output_token_counts
+        logits = logits.float() - (
+            batch.frequency_penalties[:, None] * counts + batch.presence_penalties[:, None] * (counts > 0)
+        )
+    return logits
+
+
+def seeded_exponential_noise(seed: int, vocab_size: int, device: torch.device | str) -> torch.Tensor:
+    """Exp(1) noise of shape [vocab_size] (float32) from a generator seeded with `seed` alone.
+
+    On CUDA the generator lives on the device, so the draw is a kernel launch with no host sync and
+    no CPU work; on CPU it is torch's CPU generator. The two give different (each reproducible)
+    streams, and CUDA's depends on the torch version and GPU model.
+    """
+    device = torch.device(device)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return torch.empty(vocab_size, dtype=torch.float32, device=device).exponential_(generator=generator)
+
+
+def _sample_rows(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Samples the non-greedy rows; greedy rows (if any) take the argmax of `logits`."""
+    greedy_ids = logits.argmax(dim=-1) if batch.greedy_mask is not None else None
+    logits = logits.float() / batch.temperatures[:, None]  # a new tensor: safe to modify in place below
+    if batch.top_p is not None:
+        logits = _apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+    elif batch.top_k is not None:
+        logits = _apply_top_k(logits, batch.top_k, batch.max_top_k)
+    probs = logits.softmax(dim=-1)
+    if batch.min_p is not None:
+        probs = _apply_min_p(probs, batch.min_p)
+    sampled = probs.div_(_exponential_noise(probs, batch)).argmax(dim=-1)
+    if greedy_ids is None:
+        return sampled
+    return torch.where(batch.greedy_mask, greedy_ids, sampled)
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Keeps, in place, the logits at least as large as each row's k-th largest (ties kept, as HF
+    does); rows with top_k == vocab_size keep all. Needs only a top-k of max_top_k, not a sort."""
+    top_values = logits.topk(max_top_k, dim=-1).values
+    kth = top_values.gather(1, (top_k.clamp(max=max_top_k) - 1)[:, None])
+    kth = kth.masked_fill(top_k[:, None] >= logits.shape[1], float("-inf"))
+    return logits.masked_fill_(logits < kth, float("-inf"))
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k then top-p over one descending sort, in place.
+
+    Top-p keeps the smallest prefix of the sorted tokens whose probability (after top-k) reaches
+    top_p: a token stays when the mass strictly before it is below top_p, so the first always does.
+    Rows without top-p carry top_p = 2, which no mass reaches.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (top_k - 1)[:, None])
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1).sub_(probs)
+    sorted_logits.masked_fill_(mass_before >= top_p[:, None], float("-inf"))
+    return logits.scatter_(1, order, sorted_logits)
+
+
+def _apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zeroes, in place, the probabilities below min_p times the row's largest one."""
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+    return probs.masked_fill_(probs < threshold, 0.0)
+
+
+def _exponential_noise(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Exp(1) noise like `probs`: the global generator for unseeded rows, and for each seeded row a
+    generator seeded from (seed, output_index) alone, so its token does not depend on the batch."""
+    noise = torch.empty_like(probs).exponential_()
+    if batch.seeded_rows:
+        seeded = [seeded_exponential_noise(seed, batch.vocab_size, probs.device) for seed in batch.generator_seeds]
+        noise.index_copy_(0, batch.seeded_row_index, torch.stack(seeded))
+    return noise.clamp_min_(_MIN_NOISE)
+
+
+def _output(token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None, num_top: int) -> SamplerOutput:
+    if raw_logprobs is None:
+        return SamplerOutput(token_ids=token_ids)
+    logprobs = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)
+    num_top = min(num_top, raw_logprobs.shape[1])
+    if num_top == 0:
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+    top = raw_logprobs.topk(num_top, dim=-1)
+    return SamplerOutput(token_ids=token_ids, logprobs=logprobs, top_token_ids=top.indices, top_logprobs=top.values)

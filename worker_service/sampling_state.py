@@ -1,0 +1,268 @@
+"""Per-sequence sampling parameters and the per-step batch of them, laid out as device tensors.
+
+`SamplingBatch.build` runs once per step on the host. It looks at the whole batch first so that the
+sampler can skip every stage nobody asked for (all greedy: argmax only; no penalties: no [B, V]
+penalty tensors; no top-k/top-p/min-p: no sorting), and it copies each tensor to the device once,
+from pinned memory and without blocking, so building a batch never waits for the GPU.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# Odd 64-bit constants (from splitmix64) used to mix (seed, output_index) into one generator seed.
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15
+_MIX_1 = 0xBF58476D1CE4E5B9
+_MIX_2 = 0x94D049BB133111EB
+_MASK_64 = (1 << 64) - 1
+_MASK_63 = (1 << 63) - 1
+# Temperatures below this sample as greedy: dividing by them can overflow float32 to inf and NaN.
+MIN_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class SequenceSamplingParams:
+    """How one sequence samples its tokens; the runner converts the protobuf `SamplingParams`.
+
+    Defaults are the neutral values, so an unset protobuf field maps to the default here.
+    """
+
+    temperature: float = 1.0  # 0 (or below MIN_TEMPERATURE) means greedy
+    top_k: int = -1  # -1 (or 0) keeps all tokens
+    top_p: float = 1.0  # in (0, 1]
+    min_p: float = 0.0  # in [0, 1]
+    repetition_penalty: float = 1.0  # HF semantics over prompt and output tokens, > 0
+    frequency_penalty: float = 0.0  # OpenAI semantics over output tokens
+    presence_penalty: float = 0.0  # OpenAI semantics over output tokens
+    seed: int | None = None  # unsigned 64-bit; makes sampling reproducible
+    return_logprobs: bool = False
+    num_top_logprobs: int = 0  # used only with return_logprobs
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or >= 0, got {self.top_k}")
+        if self.num_top_logprobs < 0:
+            raise ValueError(f"num_top_logprobs must be >= 0, got {self.num_top_logprobs}")
+        if self.seed is not None and not 0 <= self.seed <= _MASK_64:
+            raise ValueError(f"seed must fit in 64 unsigned bits, got {self.seed}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def has_top_k(self) -> bool:
+        return self.top_k > 0
+
+    @property
+    def has_repetition_penalty(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+    @property
+    def has_output_penalty(self) -> bool:
+        """Whether the frequency or presence penalty is in use (both count output tokens)."""
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+def generator_seed(seed: int, output_index: int) -> int:
+    """The seed of the generator that draws the noise for output token `output_index` of a request
+    with `seed`. It depends on nothing else, so a seeded request samples the same n-th token in any
+    batch, at any row, and after being recomputed from scratch.
+
+    The result is splitmix64-finalised because torch's CPU generator (mt19937) keeps only the low 32
+    bits of its seed: the mixing makes every bit of (seed, output_index) reach those.
+    """
+    x = (seed + (output_index + 1) * _GOLDEN_GAMMA) & _MASK_64
+    x = ((x ^ (x >> 30)) * _MIX_1) & _MASK_64
+    x = ((x ^ (x >> 27)) * _MIX_2) & _MASK_64
+    return (x ^ (x >> 31)) & _MASK_63
+
+
+def _to_device(values: Sequence[float] | Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One host-to-device copy that never blocks the host: pinned memory on CUDA."""
+    pin = device.type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=pin)
+
+
+def _array_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Like _to_device, for a numpy array."""
+    tensor = torch.from_numpy(array)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def _scatter_token_rows(
+    rows: Sequence[Sequence[Sequence[int]]], vocab_size: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """Occurrences of each token per row as a [B, vocab_size] tensor (for bool: whether it occurs),
+    where row i counts the tokens of all the lists in rows[i]. Ids outside the vocabulary are
+    dropped (they land in a padding column), as HF's repetition penalty does."""
+    lengths = np.fromiter((sum(len(part) for part in parts) for parts in rows), dtype=np.int64, count=len(rows))
+    num_tokens = int(lengths.sum())
+    counts = torch.zeros(len(rows), vocab_size + 1, dtype=dtype, device=device)
+    if num_tokens:
+        # np.fromiter over one chained iterator is far cheaper than torch.tensor on a list of ints.
+        flat = itertools.chain.from_iterable(itertools.chain.from_iterable(rows))
+        indices = np.empty((2, num_tokens), dtype=np.int64)
+        indices[0] = np.repeat(np.arange(len(rows), dtype=np.int64), lengths)
+        indices[1] = np.fromiter(flat, dtype=np.int64, count=num_tokens)
+        row_ids, token_ids = _array_to_device(indices, device)
+        one = torch.ones((), dtype=dtype, device=device)
+        counts.index_put_((row_ids, token_ids.clamp(0, vocab_size)), one, accumulate=dtype != torch.bool)
+    return counts[:, :vocab_size]
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Sampling parameters of one step's batch as device tensors, one row per sequence.
+
+    A field is None when no row needs that stage; rows that do not use a stage hold its neutral
+    value. Filtering fields (temperature aside) consider only sampled rows, since greedy rows ignore
+    them; penalties apply to greedy rows too.
+    """
+
+    num_seqs: int
+    vocab_size: int
+    is_all_greedy: bool
+    greedy_mask: torch.Tensor | None  # [B] bool; None when no row, or every row, is greedy
+    temperatures: torch.Tensor | None  # [B] float32, 1.0 on greedy rows; None when all greedy
+    top_k: torch.Tensor | None  # [B] int64, vocab_size where unlimited
+    max_top_k: int  # the largest limited top_k, 0 if none
+    top_p: torch.Tensor | None  # [B] float32, 2.0 (never reached) where unlimited
+    min_p: torch.Tensor | None  # [B] float32
+    repetition_penalties: torch.Tensor | None  # [B] float32
+    seen_token_mask: torch.Tensor | None  # [B, V] bool: token occurs in the prompt or the output
+    frequency_penalties: torch.Tensor | None  # [B] float32
+    presence_penalties: torch.Tensor | None  # [B] float32
+    output_token_counts: torch.Tensor | None  # [B, V] float32: occurrences in the output
+    seeded_rows: tuple[int, ...]  # rows sampled with their own generator
+    generator_seeds: tuple[int, ...]  # generator_seed(seed, output_index) of each seeded row
+    seeded_row_index: torch.Tensor | None  # [S] int64 device copy of seeded_rows
+    max_num_top_logprobs: int
+    needs_logprobs: bool
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SequenceSamplingParams],
+        prompt_token_ids: Sequence[Sequence[int] | None],
+        output_token_ids: Sequence[Sequence[int]],
+        output_index: Sequence[int],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingBatch:
+        """Lays out one step's batch. Row i samples output token number `output_index[i]` (0 for the
+        first) of a sequence whose prompt and output so far are given; the token lists are read only
+        for rows with a non-neutral penalty (prompt tokens only for the repetition penalty)."""
+        device = torch.device(device)
+        num_seqs = len(params)
+        if not len(prompt_token_ids) == len(output_token_ids) == len(output_index) == num_seqs:
+            raise ValueError("params, prompt_token_ids, output_token_ids and output_index differ in length")
+        sampled = [p for p in params if not p.is_greedy]
+        is_all_greedy = not sampled
+        seeded_rows = tuple(i for i, p in enumerate(params) if not p.is_greedy and p.seed is not None)
+        logprob_rows = [p for p in params if p.return_logprobs]
+        return cls(
+            num_seqs=num_seqs,
+            vocab_size=vocab_size,
+            is_all_greedy=is_all_greedy,
+            greedy_mask=_greedy_mask(params, device),
+            temperatures=None if is_all_greedy else _temperatures(params, device),
+            top_k=_top_k(params, vocab_size, device),
+            max_top_k=max((p.top_k for p in sampled if 0 < p.top_k < vocab_size), default=0),
+            top_p=_row_values(params, lambda p: p.top_p if p.top_p < 1.0 else 2.0, lambda p: p.top_p < 1.0, device),
+            min_p=_row_values(params, lambda p: p.min_p, lambda p: p.min_p > 0.0, device),
+            **_repetition_penalty(params, prompt_token_ids, output_token_ids, vocab_size, device),
+            **_output_penalties(params, output_token_ids, vocab_size, device),
+            seeded_rows=seeded_rows,
+            generator_seeds=tuple(generator_seed(params[i].seed, output_index[i]) for i in seeded_rows),
+            seeded_row_index=_to_device(seeded_rows, torch.int64, device) if seeded_rows else None,
+            max_num_top_logprobs=max((p.num_top_logprobs for p in logprob_rows), default=0),
+            needs_logprobs=bool(logprob_rows),
+        )
+
+
+def _greedy_mask(params: Sequence[SequenceSamplingParams], device: torch.device) -> torch.Tensor | None:
+    is_greedy = [p.is_greedy for p in params]
+    if all(is_greedy) or not any(is_greedy):
+        return None
+    return _to_device(is_greedy, torch.bool, device)
+
+
+def _temperatures(params: Sequence[SequenceSamplingParams], device: torch.device) -> torch.Tensor:
+    return _to_device([1.0 if p.is_greedy else p.temperature for p in params], torch.float32, device)
+
+
+def _top_k(params: Sequence[SequenceSamplingParams], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    values = [p.top_k if p.has_top_k and not p.is_greedy and p.top_k < vocab_size else vocab_size for p in params]
+    if all(k == vocab_size for k in values):
+        return None
+    return _to_device(values, torch.int64, device)
+
+
+def _row_values(
+    params: Sequence[SequenceSamplingParams],
+    value_of: Callable[[SequenceSamplingParams], float],
+    is_active: Callable[[SequenceSamplingParams], bool],
+    device: torch.device,
+) -> torch.Tensor | None:
+    """A [B] float32 tensor of value_of(p) for sampled rows where is_active(p), else of the neutral
+    value_of(SequenceSamplingParams()); None when no sampled row is active."""
+    neutral = value_of(SequenceSamplingParams())
+    active = [not p.is_greedy and is_active(p) for p in params]
+    if not any(active):
+        return None
+    values = [value_of(p) if a else neutral for p, a in zip(params, active, strict=True)]
+    return _to_device(values, torch.float32, device)
+
+
+def _repetition_penalty(
+    params: Sequence[SequenceSamplingParams],
+    prompt_token_ids: Sequence[Sequence[int] | None],
+    output_token_ids: Sequence[Sequence[int]],
+    vocab_size: int,
+    device: torch.device,
+) -> dict[str, torch.Tensor | None]:
+    if not any(p.has_repetition_penalty for p in params):
+        return {"repetition_penalties": None, "seen_token_mask": None}
+    rows: list[tuple[Sequence[int], ...]] = []
+    for p, prompt, output in zip(params, prompt_token_ids, output_token_ids, strict=True):
+        if not p.has_repetition_penalty:
+            rows.append(())
+        elif prompt is None:
+            raise ValueError("repetition_penalty needs the prompt token ids")
+        else:
+            rows.append((prompt, output))
+    return {
+        "repetition_penalties": _to_device([p.repetition_penalty for p in params], torch.float32, device),
+        "seen_token_mask": _scatter_token_rows(rows, vocab_size, device, torch.bool),
+    }
+
+
+def _output_penalties(
+    params: Sequence[SequenceSamplingParams],
+    output_token_ids: Sequence[Sequence[int]],
+    vocab_size: int,
+    device: torch.device,
+) -> dict[str, torch.Tensor | None]:
+    if not any(p.has_output_penalty for p in params):
+        return {"frequency_penalties": None, "presence_penalties": None, "output_token_counts": None}
+    rows = [(output,) if p.has_output_penalty else () for p, output in zip(params, output_token_ids, strict=True)]
+    return {
+        "frequency_penalties": _to_device([p.frequency_penalty for p in params], torch.float32, device),
+        "presence_penalties": _to_device([p.presence_penalty for p in params], torch.float32, device),
+        "output_token_counts": _scatter_token_rows(rows, vocab_size, device, torch.float32),
+    }
