@@ -5,6 +5,7 @@ message, for unary and server-streaming methods alike (a stream may fail after s
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -52,8 +53,11 @@ def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Callabl
 def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., AsyncIterator[Any]]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            async for message in behavior(request, context):
-                yield message
+            # Closed explicitly when the call ends, so that the servicer's own cleanup (aborting the
+            # engine request) runs now rather than when the garbage collector finalizes it.
+            async with contextlib.aclosing(behavior(request, context)) as messages:
+                async for message in messages:
+                    yield message
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
