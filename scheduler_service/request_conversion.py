@@ -8,7 +8,7 @@ that name a public field the engine does not know (token_ids, chat, top_logprobs
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from jinja2.exceptions import TemplateError
@@ -18,6 +18,9 @@ from common.sampling_params import SamplingParams
 from scheduler_service.async_engine import ModelInfo
 from scheduler_service.errors import RequestError
 
+if TYPE_CHECKING:
+    from scheduler_service.tokenizer import Tokenizer
+
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 # Optional request fields that map one to one onto SamplingParams fields of the same name.
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
@@ -25,8 +28,6 @@ _INT_FIELDS = ("top_k", "seed")
 # SamplingParams fields whose public name differs, for error messages.
 _PARAM_TO_PUBLIC_FIELD = {"num_top_logprobs": "top_logprobs"}
 
-# A transformers tokenizer (typed loosely: transformers is imported lazily elsewhere), or None.
-Tokenizer = Any
 
 
 def request_id_of(request: generate_pb2.GenerateRequest) -> str:
@@ -80,7 +81,6 @@ def encode_chat(tokenizer: Tokenizer | None, chat: generate_pb2.ChatMessages) ->
                                f"got {message.role!r}")
     messages = [{"role": m.role, "content": m.content} for m in chat.messages]
     try:
-        # Rendered to text first: with tokenize=True, transformers 5 returns a BatchEncoding, 4 a list.
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except (TemplateError, ValueError) as exc:  # e.g. a template that demands alternating roles
         raise RequestError(f"chat.messages: the model's chat template rejected them: {exc}") from exc
