@@ -78,3 +78,35 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(noise)
             else:
                 param.copy_(noise / param.shape[1] ** 0.5)
+
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. What is the capital of France? Paris is.",
+    "Un café crème, s'il vous plaît. Ça coûte combien? Über den Wolken, naïve façade.",
+    "日本語のテキストと中文文本。 Emoji: 🤖🚀✨ and symbols → ∑ ∞ ≈.",
+    "def main():\n    return 42\n\nNumbers 0123456789, dates 2026-11-29.",
+]
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def save_tiny_bpe_tokenizer(folder: Path, vocab_size: int = 512) -> Path:
+    """A byte-level BPE tokenizer trained on a small multilingual corpus, saved as tokenizer.json
+    and tokenizer_config.json (with a chat template). Multi-byte characters outside the merges are
+    split over several byte tokens, which is what incremental detokenization must handle."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    special = ["<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(CORPUS * 4, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {"eos_token": "<|end|>", "chat_template": TINY_CHAT_TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(__import__("json").dumps(config))
+    return folder

@@ -1,0 +1,210 @@
+"""A small synchronous Python client of the public TextGeneration service.
+
+    with GenerationClient("localhost:50051", timeout=60) as client:
+        client.wait_ready(timeout=300)
+        result = client.generate("The capital of France is", max_tokens=16, temperature=0)
+        for delta in client.stream(messages=[{"role": "user", "content": "Hi!"}], max_tokens=64):
+            print(delta.text, end="", flush=True)
+
+Errors arrive as grpc.RpcError (code() and details() say what was wrong, e.g. INVALID_ARGUMENT
+"max_tokens: ..."); leaving a stream early cancels the request on the server.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common import grpc_options
+from common.generated.nanovllm.generate.v1 import generate_pb2, generate_pb2_grpc
+
+Message = Mapping[str, str] | tuple[str, str]  # {"role": ..., "content": ...} or (role, content)
+
+# GenerateRequest fields that generate() and stream() take as keyword arguments.
+SAMPLING_FIELDS = frozenset({
+    "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
+    "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "include_stop_in_output", "logprobs",
+    "top_logprobs",
+})
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "length", "stop", "stop_sequence" or "aborted"
+    matched_stop: str | int | None  # the stop string, or the EOS / stop token id
+    usage: Usage
+    logprobs: list[TokenLogprob]
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None  # set on the last delta only
+    matched_stop: str | int | None
+    usage: Usage | None  # set on the last delta only
+
+
+def build_request(prompt: str | Sequence[int] | None = None, *, messages: Iterable[Message] | None = None,
+                  request_id: str = "", **sampling: object) -> generate_pb2.GenerateRequest:
+    """A GenerateRequest from a text or token-id prompt, or chat messages; sampling keyword arguments
+    are GenerateRequest fields (None leaves a field unset, i.e. at the server's default)."""
+    unknown = sorted(set(sampling) - SAMPLING_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown sampling argument {unknown[0]!r} (known: {sorted(SAMPLING_FIELDS)})")
+    if (prompt is None) == (messages is None):
+        raise TypeError("pass either a prompt (text or token ids) or messages")
+    request = generate_pb2.GenerateRequest(
+        request_id=request_id, **{k: v for k, v in sampling.items() if v is not None})  # type: ignore[arg-type]
+    if messages is not None:
+        request.chat.CopyFrom(chat_messages(messages))
+    elif isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
+    return request
+
+
+def chat_messages(messages: Iterable[Message]) -> generate_pb2.ChatMessages:
+    chat = generate_pb2.ChatMessages()
+    for message in messages:
+        role, content = (message["role"], message["content"]) if isinstance(message, Mapping) else message
+        chat.messages.add(role=role, content=content)
+    return chat
+
+
+def _finish_reason(value: int) -> str | None:
+    if value == generate_pb2.FINISH_REASON_UNSPECIFIED:
+        return None
+    return generate_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
+
+
+def _matched_stop(message: generate_pb2.GenerateResponse | generate_pb2.GenerateStreamResponse) -> str | int | None:
+    kind = message.WhichOneof("matched_stop")
+    return getattr(message, kind) if kind else None
+
+
+def _logprobs(entries: Iterable[generate_pb2.TokenLogprob]) -> list[TokenLogprob]:
+    return [TokenLogprob(e.token_id, e.logprob, tuple((t.token_id, t.logprob) for t in e.top_logprobs))
+            for e in entries]
+
+
+def _usage(usage: generate_pb2.Usage) -> Usage:
+    return Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+
+
+class GenerationClient:
+    """Client of one server. `timeout` (seconds) is the default deadline of every call; None waits
+    forever. Usable as a context manager, which closes the channel."""
+
+    def __init__(self, target: str, *, timeout: float | None = None) -> None:
+        self.target = target
+        self.timeout = timeout
+        # The same keepalive and message-size options as the server expects: pings during long
+        # prefills keep the quiet connection alive through proxies.
+        self.channel = grpc.insecure_channel(target, options=grpc_options.channel_options())
+        self.stub = generate_pb2_grpc.TextGenerationStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def generate(self, prompt: str | Sequence[int] | None = None, *, messages: Iterable[Message] | None = None,
+                 request_id: str = "", timeout: float | None = None, **sampling: object) -> GenerationResult:
+        """Generates a whole completion; see GenerateRequest in generate.proto for the arguments."""
+        request = build_request(prompt, messages=messages, request_id=request_id, **sampling)
+        response = self.stub.Generate(request, timeout=self._timeout(timeout))
+        return GenerationResult(
+            request_id=response.request_id, text=response.text, token_ids=list(response.token_ids),
+            finish_reason=_finish_reason(response.finish_reason) or "", matched_stop=_matched_stop(response),
+            usage=_usage(response.usage), logprobs=_logprobs(response.logprobs))
+
+    def stream(self, prompt: str | Sequence[int] | None = None, *, messages: Iterable[Message] | None = None,
+               request_id: str = "", timeout: float | None = None, **sampling: object) -> Iterator[StreamDelta]:
+        """Yields deltas as they are generated; the last one has finish_reason and usage set.
+        Stopping the iteration early (break, close()) cancels the request on the server."""
+        request = build_request(prompt, messages=messages, request_id=request_id, **sampling)
+        call = self.stub.GenerateStream(request, timeout=self._timeout(timeout))
+        try:
+            for message in call:
+                yield StreamDelta(
+                    request_id=message.request_id, text=message.text, token_ids=list(message.token_ids),
+                    logprobs=_logprobs(message.logprobs), finish_reason=_finish_reason(message.finish_reason),
+                    matched_stop=_matched_stop(message),
+                    usage=_usage(message.usage) if message.HasField("usage") else None)
+        finally:
+            call.cancel()  # a no-op once the stream has ended
+
+    def tokenize(self, text: str | None = None, *, messages: Iterable[Message] | None = None,
+                 add_special_tokens: bool | None = None, timeout: float | None = None) -> list[int]:
+        if (text is None) == (messages is None):
+            raise TypeError("pass either text or messages")
+        request = generate_pb2.TokenizeRequest()
+        if messages is not None:
+            request.chat.CopyFrom(chat_messages(messages))
+        else:
+            request.text = text  # type: ignore[assignment]
+        if add_special_tokens is not None:
+            request.add_special_tokens = add_special_tokens
+        return list(self.stub.Tokenize(request, timeout=self._timeout(timeout)).token_ids)
+
+    def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False,
+                   timeout: float | None = None) -> str:
+        request = generate_pb2.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
+        return self.stub.Detokenize(request, timeout=self._timeout(timeout)).text
+
+    def model_info(self, *, timeout: float | None = None) -> generate_pb2.GetModelInfoResponse:
+        return self.stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=self._timeout(timeout))
+
+    def health_status(self, service: str = "", *, timeout: float | None = None) -> str:
+        """The grpc.health.v1 status of `service` ("" = the whole server): SERVING, NOT_SERVING, ..."""
+        response = self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=self._timeout(timeout))
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    def wait_ready(self, timeout: float) -> None:
+        """Waits until the server reports SERVING (a worker is ready); raises TimeoutError after
+        `timeout` seconds. Also waits through connection errors, for a server still starting."""
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{self.target} not SERVING after {timeout} s (last: {last})")
+            try:
+                last = self.health_status(timeout=min(remaining, 5.0))
+                if last == "SERVING":
+                    return
+            except grpc.RpcError as exc:
+                last = f"{exc.code().name}: {exc.details()}"
+            time.sleep(min(0.1, max(deadline - time.monotonic(), 0)))
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> GenerationClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

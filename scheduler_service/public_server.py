@@ -1,0 +1,217 @@
+"""The public gRPC server: the TextGeneration service, grpc.health.v1 and server reflection.
+
+The servicer is thin: it converts a request (request_conversion), makes one engine call and
+converts the outputs back (response_conversion); exceptions become status codes in one place
+(error_interceptor).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common import grpc_options
+from common.generated.nanovllm.generate.v1 import generate_pb2, generate_pb2_grpc
+from common.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
+from scheduler_service import request_conversion as convert
+from scheduler_service.async_engine import ModelInfo, RequestOutput
+from scheduler_service.error_interceptor import ErrorMappingInterceptor
+from scheduler_service.errors import RequestError
+from scheduler_service.response_conversion import ResponseAccumulator, model_info_response, stream_response
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["TextGeneration"].full_name
+
+
+class Engine(Protocol):
+    """What the public server needs of scheduler_service.async_engine.AsyncEngine."""
+
+    model_info: ModelInfo
+    tokenizer: Any | None
+
+    @property
+    def is_ready(self) -> bool: ...
+
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]: ...
+
+
+@contextlib.asynccontextmanager
+async def _closing(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[AsyncIterator[RequestOutput]]:
+    """Closes the engine's iterator as soon as the handler ends, however it ends: when the client
+    cancels while a message is being sent, the iterator is suspended at a yield, and until closed
+    its sequence keeps its KV blocks. AsyncEngine.generate aborts the sequence when closed."""
+    try:
+        yield outputs
+    finally:
+        aclose = getattr(outputs, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        # Tokenizing a long prompt takes milliseconds: off the event loop, so that other requests'
+        # deltas keep flowing. One thread: the tokenizers library does not promise thread safety (a
+        # tokenizer shared between threads has failed with "Already borrowed").
+        self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+
+    async def _run_tokenizer(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+
+    def _convert(self, request: generate_pb2.GenerateRequest) -> tuple[list[int], SamplingParams]:
+        model_info = self.engine.model_info
+        prompt = convert.prompt_token_ids(request, self.engine.tokenizer, model_info)
+        return prompt, convert.sampling_params(request, len(prompt), model_info)
+
+    async def Generate(self, request: generate_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> generate_pb2.GenerateResponse:
+        request_id = convert.request_id_of(request)
+        prompt, params = await self._run_tokenizer(self._convert, request)
+        response = ResponseAccumulator(request_id)
+        async with _closing(self.engine.generate(prompt, params)) as outputs:
+            async for output in outputs:
+                response.add(output)
+        return response.result()
+
+    async def GenerateStream(self, request: generate_pb2.GenerateRequest,
+                             context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateStreamResponse]:
+        request_id = convert.request_id_of(request)
+        prompt, params = await self._run_tokenizer(self._convert, request)
+        async with _closing(self.engine.generate(prompt, params)) as outputs:
+            async for output in outputs:
+                yield stream_response(request_id, output)
+
+    async def Tokenize(self, request: generate_pb2.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> generate_pb2.TokenizeResponse:
+        tokenizer = self.engine.tokenizer
+        kind = request.WhichOneof("input")
+        if kind == "text":
+            add_special_tokens = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            ids = await self._run_tokenizer(convert.encode_text, tokenizer, request.text, add_special_tokens)
+        elif kind == "chat":
+            ids = await self._run_tokenizer(convert.encode_chat, tokenizer, request.chat)
+        else:
+            raise RequestError("input: set one of text or chat")
+        return generate_pb2.TokenizeResponse(token_ids=ids)
+
+    async def Detokenize(self, request: generate_pb2.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> generate_pb2.DetokenizeResponse:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise RequestError("token_ids: this model has no tokenizer")
+        ids = list(request.token_ids)
+        convert.check_vocabulary(ids, "token_ids", self.engine.model_info.vocab_size)
+        text = await self._run_tokenizer(
+            lambda: tokenizer.decode(ids, skip_special_tokens=request.skip_special_tokens))
+        return generate_pb2.DetokenizeResponse(text=text)
+
+    async def GetModelInfo(self, request: generate_pb2.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> generate_pb2.GetModelInfoResponse:
+        return model_info_response(self.engine.model_info, self.engine.tokenizer,
+                                   max_stop_strings=MAX_STOP_STRINGS, max_stop_string_chars=MAX_STOP_STRING_CHARS,
+                                   max_top_logprobs=MAX_TOP_LOGPROBS)
+
+    def close(self) -> None:
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+
+class PublicServer:
+    """A built, not yet started public server. `port` is the bound port (useful with port 0).
+
+    Health: both "" and SERVICE_NAME report NOT_SERVING until engine.is_ready, SERVING while it is,
+    NOT_SERVING again if it stops being ready, and NOT_SERVING for good once set_not_serving() or
+    stop() is called (so load balancers drain the server before it goes away).
+    """
+
+    def __init__(self, server: grpc.aio.Server, port: int, engine: Engine, servicer: TextGenerationServicer,
+                 health_servicer: health.aio.HealthServicer, readiness_poll_s: float) -> None:
+        self.server = server
+        self.port = port
+        self.engine = engine
+        self.servicer = servicer
+        self.health = health_servicer
+        self.readiness_poll_s = readiness_poll_s
+        self._watch_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+        self._watch_task = asyncio.create_task(self._watch_readiness(), name="health-readiness")
+        logger.info("public gRPC server listening on port %d", self.port)
+
+    async def set_not_serving(self) -> None:
+        """Reports NOT_SERVING from now on, whatever the engine's state (call when draining)."""
+        await self.health.enter_graceful_shutdown()
+
+    async def stop(self, grace: float | None) -> None:
+        """Reports NOT_SERVING, then stops: calls in flight get `grace` seconds to finish."""
+        await self.set_not_serving()
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+        await self.server.stop(grace)
+        self.servicer.close()
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+    async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)
+
+    async def _watch_readiness(self) -> None:
+        # The engine offers a flag, not an event: polling it keeps the engine free of health logic.
+        was_ready: bool | None = None
+        while True:
+            is_ready = self.engine.is_ready
+            if is_ready != was_ready:
+                serving = health_pb2.HealthCheckResponse.SERVING if is_ready else \
+                    health_pb2.HealthCheckResponse.NOT_SERVING
+                await self._set_health(serving)
+                logger.info("health: %s", health_pb2.HealthCheckResponse.ServingStatus.Name(serving))
+                was_ready = is_ready
+            await asyncio.sleep(self.readiness_poll_s)
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Keepalive and message-size options, set explicitly rather than left to gRPC's defaults.
+
+    A long prefill sends no data frames for seconds: keepalive pings (grpc.keepalive_time_ms and
+    keepalive_timeout_ms, allowed with no data in between: http2.max_pings_without_data 0) let the
+    server notice a vanished client and free its KV blocks, and the client's pings keep proxies and
+    NATs from dropping the quiet connection; http2.min_ping_interval_without_data_ms must then
+    allow the clients' ping rate, or the server answers their pings with GOAWAY (too_many_pings).
+    gRPC's 4 MiB default message limit is too small for long token-id prompts and for responses
+    with top logprobs of long outputs.
+    """
+    options = dict(grpc_options.server_options())
+    options["grpc.max_send_message_length"] = max_message_bytes
+    options["grpc.max_receive_message_length"] = max_message_bytes
+    return list(options.items())
+
+
+def build_public_server(engine: Engine, host: str, port: int, *,
+                        max_message_bytes: int = grpc_options.MAX_MESSAGE_BYTES,
+                        readiness_poll_s: float = 0.5) -> PublicServer:
+    """Builds the server and binds host:port (port 0 picks a free one); call `await start()`.
+
+    Must run inside the event loop that will serve it (grpc.aio binds the server to that loop).
+    """
+    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=server_options(max_message_bytes))
+    servicer = TextGenerationServicer(engine)
+    generate_pb2_grpc.add_TextGenerationServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    bound_port = server.add_insecure_port(address)
+    return PublicServer(server, bound_port, engine, servicer, health_servicer, readiness_poll_s)

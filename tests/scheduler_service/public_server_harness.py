@@ -1,0 +1,137 @@
+"""Test doubles for the public server: a tiny real tokenizer, a scripted FakeEngine that implements
+the AsyncEngine interface, and a thread that serves the public server over a real socket."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from common.sampling_params import SamplingParams
+from scheduler_service.async_engine import ModelInfo, RequestOutput
+from scheduler_service.errors import EngineUnavailableError, QueueFullError, RequestError
+from scheduler_service.public_server import PublicServer, build_public_server
+from scheduler_service.sequence import FinishReason
+
+WORDS = ["[UNK]", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>",
+         "hello", "world", "the", "cat", "sat", "on", "a", "mat"]
+EOS_ID = 1
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|> {{ m.content }} {% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def save_tiny_tokenizer(folder: Path, *, with_chat_template: bool = True) -> Path:
+    """A whitespace word-level tokenizer saved as a Hugging Face tokenizer folder (tokenizer.json,
+    tokenizer_config.json, chat_template.jinja), built with the tokenizers library alone."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens([AddedToken("<|eos|>", special=True)])
+    folder.mkdir(parents=True, exist_ok=True)
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>", "unk_token": "[UNK]"}))
+    if with_chat_template:
+        (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return folder
+
+
+def default_script(prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
+    """ "hello", " world", then EOS: three deltas, logprobs when asked."""
+    outputs = []
+    for index, (text, token_id) in enumerate([("hello", 6), (" world", 7), ("", EOS_ID)]):
+        out = RequestOutput(text=text, token_ids=[token_id])
+        if params.logprobs:
+            out.logprobs = [-0.5 * (index + 1)]
+            if params.num_top_logprobs:
+                out.top_logprobs = [[(token_id, -0.5 * (index + 1)), (8, -3.0)][: params.num_top_logprobs]]
+        outputs.append(out)
+    last = outputs[-1]
+    last.finished, last.finish_reason, last.matched_stop = True, FinishReason.STOP, EOS_ID
+    last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens = len(prompt), 3, 2
+    return outputs
+
+
+class FakeEngine:
+    """Implements the AsyncEngine interface with scripted outputs; flags switch failure modes."""
+
+    def __init__(self, tokenizer: Any | None, *, max_model_len: int = 32, vocab_size: int = 20) -> None:
+        self.model_info = ModelInfo(model_name="fake-model", max_model_len=max_model_len, vocab_size=vocab_size,
+                                    eos_token_ids=(EOS_ID,), block_size=16, num_kv_blocks=8)
+        self.tokenizer = tokenizer
+        self.ready = True
+        self.queue_full = False
+        self.crash = False
+        self.hang_after_first_output = False
+        self.script: Callable[[list[int], SamplingParams], list[RequestOutput]] = default_script
+        self.requests: list[tuple[list[int], SamplingParams]] = []
+        self.num_closed = 0  # generate() iterators that ended, however (finished, cancelled, closed)
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ready
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.model_info.num_kv_blocks
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise RequestError("prompt: must not be empty")
+        if len(prompt_token_ids) >= self.model_info.max_model_len:
+            raise RequestError(f"prompt: {len(prompt_token_ids)} tokens, the limit is {self.model_info.max_model_len}")
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        if not self.ready:
+            raise EngineUnavailableError("engine: no worker is ready")
+        if self.queue_full:
+            raise QueueFullError("queue: full (4 requests)")
+        if self.crash:
+            raise RuntimeError("simulated bug")
+        self.validate(prompt_token_ids, params)
+        self.requests.append((prompt_token_ids, params))
+        try:
+            for output in self.script(prompt_token_ids, params):
+                yield output
+                if self.hang_after_first_output:
+                    await asyncio.Event().wait()
+        finally:
+            self.num_closed += 1
+
+
+class ServerThread:
+    """Runs build_public_server(engine) on its own event loop in a daemon thread."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="public-server")
+        self.public: PublicServer | None = None
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 10.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self) -> ServerThread:
+        self.thread.start()
+
+        async def build_and_start() -> PublicServer:
+            public = build_public_server(self.engine, "127.0.0.1", 0, readiness_poll_s=0.02)
+            await public.start()
+            return public
+
+        self.public = self.run(build_and_start())
+        return self
+
+    @property
+    def target(self) -> str:
+        assert self.public is not None
+        return f"127.0.0.1:{self.public.port}"
+
+    def stop(self) -> None:
+        if self.public is not None:
+            self.run(self.public.stop(grace=None))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        self.loop.close()
