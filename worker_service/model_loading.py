@@ -7,6 +7,8 @@ import torch
 from torch import nn
 
 from worker_service.attention.base import AttentionBackend
+from worker_service.loader.gguf_loader import gguf_model_config, iter_gguf_hf_tensors
+from worker_service.loader.safetensors_loader import build_empty_model, load_model, load_named_tensors
 from worker_service.model_config import ModelConfig
 
 
@@ -28,11 +30,17 @@ def load_checkpoint(model: str, dtype: torch.dtype, device: torch.device,
         raise FileNotFoundError(f"model: {model} does not exist")
     gguf_file = find_gguf_file(path)
     if gguf_file is not None:
-        from worker_service.loader.gguf_loader import load_gguf_model
-
         return load_gguf_model(gguf_file, dtype, device, backend)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"model: {model} holds neither config.json nor a .gguf file")
-    from worker_service.loader.safetensors_loader import load_model
-
     return load_model(path, dtype, device, backend)
+
+
+def load_gguf_model(path: Path, dtype: torch.dtype, device: torch.device,
+                    backend: AttentionBackend) -> tuple[nn.Module, ModelConfig]:
+    """Builds the model from GGUF metadata and loads its dequantized tensors, one at a time."""
+    config = gguf_model_config(path)
+    model = build_empty_model(config, dtype, device, backend)
+    tensors = ((name, torch.from_numpy(array)) for name, array in iter_gguf_hf_tensors(path))
+    load_named_tensors(model, tensors, str(path))
+    return model.eval(), config

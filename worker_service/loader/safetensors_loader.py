@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -38,18 +38,23 @@ def iter_safetensors(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, file.get_tensor(name)
 
 
-def load_hf_weights(model: nn.Module, folder: str | Path) -> None:
-    """Fills every parameter of model from the checkpoint in folder; raises if any tensor is unknown,
+def load_named_tensors(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+    """Fills every parameter of model from (HF name, tensor) pairs; raises if any tensor is unknown,
     loaded twice, or if any parameter is left unloaded."""
     loaded: set[LoadedKey] = set()
-    for hf_name, tensor in iter_safetensors(folder):
+    for hf_name, tensor in tensors:
         key = load_named_tensor(model, hf_name, tensor)
         if key is None:
             continue
         if key in loaded:
-            raise ValueError(f"checkpoint tensor {hf_name!r} appears more than once in {folder}")
+            raise ValueError(f"checkpoint tensor {hf_name!r} appears more than once in {source}")
         loaded.add(key)
     check_all_loaded(model, loaded)
+
+
+def load_hf_weights(model: nn.Module, folder: str | Path) -> None:
+    """Fills every parameter of model from the safetensors checkpoint in folder."""
+    load_named_tensors(model, iter_safetensors(folder), str(folder))
 
 
 def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | str,
@@ -58,7 +63,14 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | st
 
     backend: an instance, a registry name, or None for the device's default backend.
     """
-    config = ModelConfig.from_hf_folder(folder)
+    model = build_empty_model(ModelConfig.from_hf_folder(folder), dtype, device, backend)
+    load_hf_weights(model, folder)
+    return model.eval(), model.config
+
+
+def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                      backend: AttentionBackend | str | None = None) -> LlamaForCausalLM:
+    """The model of config, built directly on device in dtype, weights not loaded yet."""
     device = torch.device(device)
     if backend is None:
         backend = default_backend_name(device)
@@ -73,5 +85,4 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | st
             model = build_model(config, backend)
     finally:
         torch.set_default_dtype(previous_dtype)
-    load_hf_weights(model, folder)
-    return model.eval(), config
+    return model

