@@ -35,6 +35,7 @@ class WorkerCore:
             device=str(runner.device),
             tensor_parallel_size=1,
             eos_token_ids=self.eos_token_ids,
+            num_held_sequences=len(self.seq_id_to_state),
         )
 
     def init_cache(self, request: worker_pb2.InitCacheRequest) -> worker_pb2.InitCacheResponse:

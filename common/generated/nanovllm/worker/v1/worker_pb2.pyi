@@ -117,7 +117,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model_name", "dtype", "block_size", "max_model_len", "vocab_size", "num_kv_blocks", "device", "tensor_parallel_size", "eos_token_ids")
+    __slots__ = ("model_name", "dtype", "block_size", "max_model_len", "vocab_size", "num_kv_blocks", "device", "tensor_parallel_size", "eos_token_ids", "num_held_sequences")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,7 @@ class DescribeResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HELD_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     dtype: str
     block_size: int
@@ -136,7 +137,8 @@ class DescribeResponse(_message.Message):
     device: str
     tensor_parallel_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model_name: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_held_sequences: int
+    def __init__(self, model_name: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_held_sequences: _Optional[int] = ...) -> None: ...
 
 class InitCacheRequest(_message.Message):
     __slots__ = ("num_kv_blocks",)

@@ -1,0 +1,115 @@
+"""Starts the real services for end-to-end tests: worker processes through the `nanovllm` CLI, and
+the scheduler either as a process or in this process (to read its block counts)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from common.config import SchedulerConfig
+from common.generated.nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
+from scheduler_service.async_engine import AsyncEngine
+from scheduler_service.public_server import PublicServer, build_public_server
+from scheduler_service.tokenizer import eos_token_ids, load_tokenizer
+from scheduler_service.worker_client import GrpcWorkerClient
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+WORKER_OPTIONS = ["--block-size", "16", "--num-kv-blocks", "256", "--device", "cpu"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def cli(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "common.cli", "--log-level", "WARNING", *args], cwd=REPO_ROOT,
+                            env=env)
+
+
+def start_worker(model: Path, port: int) -> subprocess.Popen:
+    return cli("worker", "--model", str(model), "--port", str(port), *WORKER_OPTIONS)
+
+
+def start_scheduler(worker_port: int, port: int, *extra: str) -> subprocess.Popen:
+    return cli("scheduler", "--worker", f"127.0.0.1:{worker_port}", "--port", str(port), *extra)
+
+
+def worker_describe(port: int) -> worker_pb2.DescribeResponse:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return worker_pb2_grpc.WorkerStub(channel).Describe(worker_pb2.DescribeRequest(), timeout=5)
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+class InProcessScheduler:
+    """The real AsyncEngine and public server on an event loop in a daemon thread."""
+
+    def __init__(self, model: Path, worker_port: int, config: SchedulerConfig | None = None) -> None:
+        self.model = model
+        self.worker_port = worker_port
+        self.config = config or SchedulerConfig()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="scheduler")
+        self.engine: AsyncEngine | None = None
+        self.public: PublicServer | None = None
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 60.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self) -> InProcessScheduler:
+        self.thread.start()
+
+        async def build() -> None:
+            tokenizer = load_tokenizer(str(self.model))
+            worker = GrpcWorkerClient(f"127.0.0.1:{self.worker_port}")
+            self.engine = await AsyncEngine.start(self.config, worker, tokenizer,
+                                                  eos_token_ids(str(self.model), tokenizer))
+            self.public = build_public_server(self.engine, "127.0.0.1", 0, readiness_poll_s=0.02)
+            await self.public.start()
+
+        self.run(build())
+        return self
+
+    @property
+    def target(self) -> str:
+        assert self.public is not None
+        return f"127.0.0.1:{self.public.port}"
+
+    def stop(self) -> None:
+        async def shutdown() -> None:
+            assert self.engine is not None and self.public is not None
+            await self.public.set_not_serving()
+            await self.engine.shutdown(grace_s=0)
+            await self.public.stop(grace=None)
+
+        self.run(shutdown())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)

@@ -1,0 +1,202 @@
+"""End to end over real sockets: worker and scheduler started by the `nanovllm` CLI as separate
+processes (or the scheduler in this process where a test reads its block counts), called through
+the Python client; compared with the offline LLM on the same checkpoint."""
+from __future__ import annotations
+
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from common import SamplingParams
+from common.client import GenerationClient
+from scheduler_service import LLM
+from tests.services_harness import (
+    InProcessScheduler,
+    free_port,
+    start_scheduler,
+    start_worker,
+    stop,
+    wait_until,
+    worker_describe,
+)
+from tests.tiny_models import make_tiny_checkpoint, save_tiny_bpe_tokenizer
+
+PROMPTS = [
+    "The quick brown fox",
+    "What is the capital of France?",
+    "Ça coûte combien?",
+    "def main():",
+    "日本語のテキスト",
+    "Numbers 0123",
+]
+MAX_TOKENS = 24
+LONG_MAX_TOKENS = 400
+
+
+def model_with_tokenizer(folder: Path, **shape) -> Path:
+    path = make_tiny_checkpoint(folder, "qwen3", **shape)
+    save_tiny_bpe_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory) -> Path:
+    return model_with_tokenizer(tmp_path_factory.mktemp("small"), num_heads=4, num_kv_heads=2, head_dim=16,
+                                hidden_size=64)
+
+
+@pytest.fixture(scope="module")
+def slow_model(tmp_path_factory) -> Path:
+    """Big enough that a long generation takes seconds on a CPU, so that tests can act mid-stream."""
+    return model_with_tokenizer(tmp_path_factory.mktemp("slow"), num_heads=8, num_kv_heads=4, head_dim=64,
+                                hidden_size=512, intermediate_size=2048, num_layers=8,
+                                max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def offline(small_model: Path) -> list[dict]:
+    llm = LLM(str(small_model), block_size=16, num_kv_blocks=256, device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return llm.generate(PROMPTS, params, use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def services(small_model: Path):
+    """Worker and scheduler as separate processes, started as a user starts them."""
+    worker_port, port = free_port(), free_port()
+    worker = start_worker(small_model, worker_port)
+    scheduler = start_scheduler(worker_port, port)
+    client = GenerationClient(f"127.0.0.1:{port}", timeout=60)
+    try:
+        client.wait_ready(timeout=120)
+        yield client
+    finally:
+        client.close()
+        stop(scheduler)
+        stop(worker)
+
+
+def test_generate_and_stream_equal_offline(services: GenerationClient, offline: list[dict]) -> None:
+    for prompt, expected in zip(PROMPTS, offline, strict=True):
+        result = services.generate(prompt, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        assert result.token_ids == expected["token_ids"]
+        assert result.text == expected["text"]
+        assert result.finish_reason == "length"
+        deltas = list(services.stream(prompt, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        assert [t for d in deltas for t in d.token_ids] == expected["token_ids"]
+        assert "".join(d.text for d in deltas) == expected["text"]
+        assert deltas[-1].finish_reason == "length"
+        assert deltas[-1].usage.completion_tokens == MAX_TOKENS
+
+
+def test_32_concurrent_streams_complete_correctly(services: GenerationClient, offline: list[dict]) -> None:
+    def run(index: int) -> tuple[int, list[int], str]:
+        deltas = list(services.stream(PROMPTS[index % len(PROMPTS)], temperature=0, max_tokens=MAX_TOKENS,
+                                      ignore_eos=True))
+        return index, [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas)
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(run, range(32)))
+    for index, token_ids, text in results:
+        expected = offline[index % len(PROMPTS)]
+        assert (token_ids, text) == (expected["token_ids"], expected["text"])
+
+
+def test_invalid_request_leaves_the_service_healthy(services: GenerationClient) -> None:
+    with pytest.raises(grpc.RpcError) as error:
+        services.generate("hello", max_tokens=10_000)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_tokens" in error.value.details()
+    assert services.health_status() == "SERVING"
+    assert services.generate("hello", max_tokens=2).usage.completion_tokens >= 1
+
+
+@pytest.fixture
+def slow_worker(slow_model: Path):
+    port = free_port()
+    worker = start_worker(slow_model, port)
+    yield port, worker
+    stop(worker)
+
+
+@pytest.fixture
+def in_process(slow_model: Path, slow_worker):
+    scheduler = InProcessScheduler(slow_model, slow_worker[0]).start()
+    client = GenerationClient(scheduler.target, timeout=120)
+    client.wait_ready(timeout=120)
+    yield scheduler, client
+    client.close()
+    scheduler.stop()
+
+
+def assert_everything_released(scheduler: InProcessScheduler, worker_port: int) -> None:
+    engine = scheduler.engine
+    assert engine is not None
+    wait_until(lambda: engine.num_unfinished == 0 and engine.num_free_blocks == engine.num_total_blocks,
+               timeout=10, what="all KV blocks back in the pool")
+    wait_until(lambda: worker_describe(worker_port).num_held_sequences == 0, timeout=10,
+               what="the worker to release the sequence")
+
+
+def test_cancelled_stream_frees_its_blocks_at_once(in_process, slow_worker) -> None:
+    scheduler, client = in_process
+    stream = client.stream("The quick brown fox", temperature=0, max_tokens=LONG_MAX_TOKENS, ignore_eos=True)
+    received = [next(stream) for _ in range(3)]
+    assert scheduler.engine.num_free_blocks < scheduler.engine.num_total_blocks
+    stream.close()  # cancels the call
+    assert sum(len(d.token_ids) for d in received) < LONG_MAX_TOKENS
+    assert_everything_released(scheduler, slow_worker[0])
+
+
+def test_expired_deadline_frees_its_blocks(in_process, slow_worker) -> None:
+    scheduler, client = in_process
+    with pytest.raises(grpc.RpcError) as error:
+        list(client.stream("The quick brown fox", temperature=0, max_tokens=LONG_MAX_TOKENS, ignore_eos=True,
+                           timeout=0.5))
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_everything_released(scheduler, slow_worker[0])
+
+
+def test_killed_worker_loses_no_request(in_process, slow_worker, slow_model: Path) -> None:
+    scheduler, client = in_process
+    port, worker = slow_worker
+    expected = LLM(str(slow_model), block_size=16, num_kv_blocks=256, device="cpu").generate(
+        ["The quick brown fox"], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False)[0]
+    stream = client.stream("The quick brown fox", temperature=0, max_tokens=60, ignore_eos=True)
+    deltas = [next(stream) for _ in range(3)]
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+    assert sum(len(d.token_ids) for d in deltas) < 60
+    restarted = start_worker(slow_model, port)
+    try:
+        deltas += list(stream)
+        assert [t for d in deltas for t in d.token_ids] == expected["token_ids"]
+        assert "".join(d.text for d in deltas) == expected["text"]
+        assert deltas[-1].finish_reason == "length"
+    finally:
+        stop(restarted)
+
+
+def test_sigterm_drains_then_exits(slow_model: Path, slow_worker) -> None:
+    port = free_port()
+    scheduler = start_scheduler(slow_worker[0], port, "--shutdown-grace", "60")
+    client = GenerationClient(f"127.0.0.1:{port}", timeout=120)
+    try:
+        client.wait_ready(timeout=120)
+        stream = client.stream("The quick brown fox", temperature=0, max_tokens=80, ignore_eos=True)
+        deltas = [next(stream)]
+        scheduler.send_signal(signal.SIGTERM)
+        wait_until(lambda: client.health_status() == "NOT_SERVING", timeout=10, what="NOT_SERVING")
+        with pytest.raises(grpc.RpcError) as error:
+            client.generate("hello", max_tokens=2)
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        deltas += list(stream)
+        assert sum(len(d.token_ids) for d in deltas) == 80
+        assert deltas[-1].finish_reason == "length"
+        assert scheduler.wait(timeout=30) == 0
+    finally:
+        client.close()
+        stop(scheduler)
