@@ -54,6 +54,22 @@ def scheduler_config_from(args: argparse.Namespace):
                            max_queue_size=args.max_queue_size, enable_prefix_caching=not args.no_prefix_caching)
 
 
+def check_health(target: str, timeout: float) -> int:
+    """grpc.health.v1 Check of the whole server: 0 when SERVING (for container health checks)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(target) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+    except grpc.RpcError as error:
+        print(f"{target}: {error.code().name}", file=sys.stderr)
+        return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{target}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanovllm", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO")
@@ -68,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_scheduler_options(scheduler)
     scheduler.add_argument("--worker", required=True, help="worker address host:port (or unix:/path)")
 
+    health = commands.add_parser("health", help="exit 0 if the server at --target reports SERVING")
+    health.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORT}")
+    health.add_argument("--timeout", type=float, default=3.0)
+
     serve = commands.add_parser("serve", help="start a worker and the scheduler on this machine")
     add_worker_options(serve)
     add_scheduler_options(serve)
@@ -81,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         from worker_service.main import run_worker
 
         return run_worker(args)
+    if args.command == "health":
+        return check_health(args.target, args.timeout)
     if args.command == "scheduler":
         from scheduler_service.main import run_scheduler
 

@@ -4,6 +4,8 @@ the Python client; compared with the offline LLM on the same checkpoint."""
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -103,6 +105,12 @@ def test_32_concurrent_streams_complete_correctly(services: GenerationClient, of
     for index, token_ids, text in results:
         expected = offline[index % len(PROMPTS)]
         assert (token_ids, text) == (expected["token_ids"], expected["text"])
+
+
+def test_health_command_sees_the_scheduler_serving(services: GenerationClient) -> None:
+    result = subprocess.run([sys.executable, "-m", "common.cli", "health", "--target", services.target],
+                            capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+    assert result.returncode == 0 and result.stdout.strip().endswith("SERVING")
 
 
 def test_invalid_request_leaves_the_service_healthy(services: GenerationClient) -> None:

