@@ -9,12 +9,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from public_server_harness import EOS_ID, FakeEngine, ServerThread, save_tiny_tokenizer
 
 from common.client import GenerationClient
 from common.generated.nanovllm.generate.v1 import generate_pb2
 from scheduler_service.public_server import SERVICE_NAME
 from scheduler_service.tokenizer import load_tokenizer
+from tests.scheduler_service.public_server_harness import EOS_ID, FakeEngine, ServerThread, save_tiny_tokenizer
 
 MAX_MODEL_LEN = 32
 VOCAB_SIZE = 20

