@@ -1,0 +1,79 @@
+"""Sampling through the whole engine: seeded requests reproduce alone, inside a mixed batch and
+after preemption; bad options and sampling parameters raise ValueError naming the field."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common import SamplingParams
+from scheduler_service import LLM
+from tests.tiny_models import make_tiny_checkpoint
+
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=40, ignore_eos=True)
+PROMPT = [5, 17, 99, 3, 250, 41, 8]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("seeded"), "qwen3")
+
+
+def test_seeded_request_is_the_same_alone_and_in_a_mixed_batch(model: Path) -> None:
+    llm = LLM(str(model), block_size=16, num_kv_blocks=64)
+    alone = llm.generate([PROMPT], SEEDED, use_tqdm=False)[0]["token_ids"]
+    others = [[1, 2, 3], list(range(40, 90)), [7] * 12]
+    mixed_params = [SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True),
+                    SamplingParams(temperature=0.5, seed=9, max_tokens=50, ignore_eos=True),
+                    SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3, ignore_eos=True)]
+    batch = llm.generate([others[0], PROMPT, others[1], others[2]],
+                         [mixed_params[0], SEEDED, mixed_params[1], mixed_params[2]], use_tqdm=False)
+    assert batch[1]["token_ids"] == alone
+    # A different seed gives a different sequence (the seed is really used).
+    other_seed = SamplingParams(**{**SEEDED.__dict__, "seed": 4321})
+    assert llm.generate([PROMPT], other_seed, use_tqdm=False)[0]["token_ids"] != alone
+
+
+def test_seeded_request_survives_preemption(model: Path) -> None:
+    alone = LLM(str(model), block_size=16, num_kv_blocks=64).generate([PROMPT], SEEDED, use_tqdm=False)[0]
+    tight = LLM(str(model), block_size=16, num_kv_blocks=6)
+    prompts = [PROMPT, list(range(100, 140)), list(range(200, 230))]
+    params = [SEEDED, SamplingParams(temperature=0.7, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.7, seed=5, max_tokens=40, ignore_eos=True)]
+    results = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert results[0]["token_ids"] == alone["token_ids"]
+
+
+@pytest.mark.parametrize(("options", "field"), [
+    ({"block_size": 24}, "block_size"),
+    ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"max_num_batched_tokens": -1}, "max_num_batched_tokens"),
+    ({"dtype": "int8"}, "dtype"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ({"no_such_option": 1}, "no_such_option"),
+])
+def test_invalid_options_raise_value_error_naming_the_field(model: Path, options: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{field}:"):
+        LLM(str(model), **options)
+
+
+@pytest.mark.parametrize(("params", "field"), [
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_k": 0}, "top_k"),
+    ({"min_p": 2}, "min_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"stop": ["x"] * 17}, "stop"),
+])
+def test_invalid_sampling_params_raise_value_error_naming_the_field(params: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{field}:"):
+        SamplingParams(**params)
+
+
+def test_prompt_too_long_raises_naming_the_prompt(model: Path) -> None:
+    llm = LLM(str(model), block_size=16, num_kv_blocks=64, max_model_len=64)
+    with pytest.raises(ValueError, match="^prompt: 64 tokens, the limit is 63"):
+        llm.generate([[1] * 64], SamplingParams(), use_tqdm=False)
+    assert llm.engine.block_manager.num_free_blocks == 64
