@@ -3,9 +3,13 @@ float64 reference over the same paged cache.
 
 Runs on a CUDA device. Without one the module is skipped before Triton is imported, unless
 TRITON_INTERPRET=1 is set: then it runs on the CPU through Triton's interpreter at small sizes, in
-float16 instead of bfloat16 (the interpreter's bf16 tl.dot is wrong) and float32. Every check draws
-fresh random inputs (caches included: a read of a wrong slot changes the result), poisons outputs
-with NaN first and requires every element written, and reports the worst sequence and head.
+float16 instead of bfloat16 (the interpreter's bf16 tl.dot is wrong) and float32. Triton 3.6's
+interpreter also needs numpy < 2.3, e.g. `pip install --target /tmp/np22 "numpy<2.3"`, then
+`TRITON_INTERPRET=1 PYTHONPATH=/tmp/np22 pytest tests/worker_service/test_triton_attention.py`.
+
+Every check draws fresh random inputs (caches included: a read of a wrong slot changes the
+result), poisons outputs with NaN first and requires every element written, and reports the worst
+sequence and head.
 """
 from __future__ import annotations
 
@@ -219,6 +223,15 @@ def test_decode_batches_at_model_shapes(num_seqs: int, block_size: int) -> None:
                        head_dim=head_dim, dtype=LOW, seed=num_seqs)
     num_splits = choose_num_splits(num_seqs, kv_heads, max(seq_lens), DEVICE)
     check_decode(batch, num_splits, f"decode batch={num_seqs} bs={block_size} splits={num_splits}")
+
+
+def test_num_splits_fill_the_device_only_when_needed() -> None:
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count if DEVICE.type == "cuda" else 132
+    assert choose_num_splits(256, 8, 4096, DEVICE) == 1
+    assert choose_num_splits(64, 8, 4096, DEVICE) <= 2
+    assert choose_num_splits(1, 8, 100, DEVICE) == 1  # too short to be worth splitting
+    few_long = choose_num_splits(1, 8, 8192, DEVICE)
+    assert few_long * 8 >= sms and few_long <= 64
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 64])

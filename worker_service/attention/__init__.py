@@ -16,10 +16,12 @@ from worker_service.attention.base import AttentionBackend, AttentionMetadata
 # name -> module that registers it on import. GPU backends add their line here.
 _BACKEND_MODULES: dict[str, str] = {
     "torch": "worker_service.attention.torch_backend",
+    "triton": "worker_service.attention.triton_backend",
 }
 # device type -> default backend name; devices not listed fall back to the portable "torch" backend.
 _DEVICE_DEFAULTS: dict[str, str] = {
     "cpu": "torch",
+    "cuda": "triton",
 }
 _REGISTRY: dict[str, type[AttentionBackend]] = {}
 

@@ -26,6 +26,14 @@ class AttentionMetadata:
     # Host copies for backends that loop on the CPU (never read on the GPU hot path).
     query_lens_host: list[int] | None = None
     seq_lens_host: list[int] | None = None
+    # Decode-only batches (max_query_len == 1) on backends with a split-K decode kernel ("triton").
+    # Both optional: None lets the backend choose per call. For CUDA graph capture fix them per
+    # captured batch size, so that every replay launches the same grid on the same buffers:
+    # decode_num_splits from triton_decode.choose_num_splits(batch_size, num_kv_heads, max_model_len),
+    # decode_workspace a float32 tensor of at least triton_decode.decode_workspace_numel(batch_size,
+    # num_heads, head_dim, decode_num_splits) elements, shareable by all layers and all graphs.
+    decode_num_splits: int | None = None  # KV splits per sequence in the decode kernel
+    decode_workspace: torch.Tensor | None = None  # float32 scratch for the splits' partial results
 
     @property
     def num_seqs(self) -> int:

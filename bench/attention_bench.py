@@ -1,0 +1,259 @@
+"""Times the Triton attention kernels on a CUDA device at Qwen3-0.6B shapes (16 query heads, 8 KV
+heads, head_dim 128, bf16), against torch SDPA on contiguous tensors holding the same K/V.
+
+    python bench/attention_bench.py            # decode grid + prefill, then a summary table
+    python bench/attention_bench.py --sweep    # also sweeps kernel tile sizes, warps, stages, splits
+
+Decode: batch sizes 1, 8, 64, 256 x contexts 512, 1024, 4096 (every sequence at that context),
+block sizes 256 and 16; reports the achieved K+V read bandwidth (bytes of K and V read / median time)
+and its fraction of the 4.3 TB/s that a device-to-device copy reaches on an H200. Prefill: 256
+sequences of 1024 new tokens each, causal, in TFLOP/s. Times are triton.testing.do_bench medians
+(it flushes the L2 before each run, so the K/V really come from HBM). Each Triton result is first
+checked against SDPA's output, so a broken kernel cannot post a number.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from worker_service.attention.triton_decode import (  # noqa: E402
+    DECODE_BLOCK_N,
+    DECODE_NUM_STAGES,
+    DECODE_NUM_WARPS,
+    choose_num_splits,
+    paged_decode,
+)
+from worker_service.attention.triton_prefill import paged_prefill  # noqa: E402
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
+DTYPE = torch.bfloat16
+COPY_BANDWIDTH_GBS = 4300.0  # measured device-to-device copy on an H200 (read + write)
+SCALE = HEAD_DIM ** -0.5
+
+
+@dataclass
+class Row:
+    what: str
+    block_size: int | str
+    batch: int
+    context: int
+    splits: int | str
+    time_us: float
+    rate: float  # GB/s for decode, TFLOP/s for prefill
+    unit: str
+    error: float  # ‖triton − sdpa‖ / ‖sdpa‖ (nan for the SDPA rows)
+
+    def line(self) -> str:
+        share = f"{self.rate / COPY_BANDWIDTH_GBS:6.1%}" if self.unit == "GB/s" else "      "
+        return (f"{self.what:<14} {self.block_size!s:>5} {self.batch:>5} {self.context:>6} {self.splits!s:>6} "
+                f"{self.time_us:>10.1f} {self.rate:>9.1f} {self.unit:<7} {share} {self.error:>9.1e}")
+
+
+HEADER = (f"{'kernel':<14} {'block':>5} {'batch':>5} {'ctx':>6} {'splits':>6} {'time_us':>10} {'rate':>9} "
+          f"{'unit':<7} {'of 4.3TB/s':>6} {'rel_err':>9}")
+
+
+def bench_ms(fn: Callable[[], object]) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def paged_copy(k: torch.Tensor, v: torch.Tensor, block_size: int) -> tuple[torch.Tensor, ...]:
+    """K/V [batch, ctx, kv_heads, d] scattered into a paged cache whose blocks are in random order;
+    returns k_cache, v_cache, block_tables."""
+    batch, context = k.shape[:2]
+    blocks_per_seq = math.ceil(context / block_size)
+    num_blocks = batch * blocks_per_seq
+    order = torch.randperm(num_blocks, device=k.device)
+    tables = order.view(batch, blocks_per_seq).to(torch.int32)
+    padded = blocks_per_seq * block_size
+    caches = []
+    for source in (k, v):
+        cache = torch.empty(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=k.device)
+        blocks = F.pad(source, (0, 0, 0, 0, 0, padded - context)).view(batch * blocks_per_seq, block_size,
+                                                                        NUM_KV_HEADS, HEAD_DIM)
+        cache[order] = blocks
+        caches.append(cache)
+    return caches[0], caches[1], tables
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> Callable[[], torch.Tensor]:
+    """q [b, heads, n, d], k/v [b, kv_heads, ctx, d]: flash SDPA with GQA, else whatever torch picks
+    on K/V repeated to all heads (the name of the path taken is in the returned function's doc)."""
+    def flash() -> torch.Tensor:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=SCALE, enable_gqa=True)
+
+    try:
+        flash()
+        flash.__doc__ = "flash"
+        return flash
+    except RuntimeError:
+        group = q.shape[1] // k.shape[1]
+        k_all, v_all = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+
+        def repeated() -> torch.Tensor:
+            return F.scaled_dot_product_attention(q, k_all, v_all, is_causal=is_causal, scale=SCALE)
+
+        repeated.__doc__ = "repeated-kv"
+        return repeated
+
+
+def decode_rows(block_size: int, batch: int, context: int, device: torch.device) -> list[Row]:
+    k = torch.randn(batch, context, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    v = torch.randn_like(k)
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    k_cache, v_cache, tables = paged_copy(k, v, block_size)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    splits = choose_num_splits(batch, NUM_KV_HEADS, context, device)
+    workspace = torch.empty(batch * NUM_HEADS * splits * (HEAD_DIM + 1), dtype=torch.float32, device=device)
+    out = torch.empty_like(q)
+
+    def run() -> torch.Tensor:
+        return paged_decode(q, k_cache, v_cache, tables, seq_lens, SCALE, splits, workspace, out)
+
+    reference = sdpa(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), is_causal=False)
+    error = relative_error(run(), reference()[:, :, 0])
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * k.element_size()
+    rows = []
+    for what, fn, split_label, err in (("triton-decode", run, splits, error),
+                                       (f"sdpa-{reference.__doc__}", reference, "-", float("nan"))):
+        ms = bench_ms(fn)
+        rows.append(Row(what, block_size if fn is run else "-", batch, context, split_label, ms * 1e3,
+                        kv_bytes / ms / 1e6, "GB/s", err))
+    return rows
+
+
+def prefill_rows(num_seqs: int, query_len: int, block_size: int, device: torch.device,
+                 **config: int) -> list[Row]:
+    k = torch.randn(num_seqs, query_len, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    v = torch.randn_like(k)
+    q = torch.randn(num_seqs, query_len, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    k_cache, v_cache, tables = paged_copy(k, v, block_size)
+    seq_lens = torch.full((num_seqs,), query_len, dtype=torch.int32, device=device)
+    starts = torch.arange(0, (num_seqs + 1) * query_len, query_len, dtype=torch.int32, device=device)
+    packed_q = q.flatten(0, 1)
+    out = torch.empty_like(packed_q)
+
+    def run() -> torch.Tensor:
+        return paged_prefill(packed_q, k_cache, v_cache, tables, seq_lens, starts, query_len, SCALE, out, **config)
+
+    reference = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+    error = relative_error(run(), reference().transpose(1, 2).flatten(0, 1))
+    # Causal: each head computes QK^T and PV over query_len * (query_len + 1) / 2 (query, key) pairs.
+    flops = 4 * num_seqs * NUM_HEADS * HEAD_DIM * query_len * (query_len + 1) / 2
+    short = {"max_block_m": "m", "block_n": "n", "num_warps": "w", "num_stages": "s"}
+    label = "triton-prefill" if not config else "prefill " + ",".join(f"{short[name]}{value}"
+                                                                      for name, value in config.items())
+    rows = []
+    for what, fn, err in ((label, run, error), (f"sdpa-{reference.__doc__}", reference, float("nan"))):
+        if fn is reference and config:
+            continue
+        ms = bench_ms(fn)
+        rows.append(Row(what, block_size if fn is run else "-", num_seqs, query_len, "-", ms * 1e3,
+                        flops / ms / 1e9, "TFLOP/s", err))
+    return rows
+
+
+def sweep_decode(block_size: int, batch: int, context: int, device: torch.device) -> list[str]:
+    """Splits at the default tile config, then tile configs (block_n, warps, stages) at the chosen
+    splits, for one decode shape. The chosen number of splits is marked with '*'."""
+    k_cache = torch.randn(batch * context // block_size, block_size, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE,
+                          device=device)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(k_cache.shape[0], device=device).view(batch, -1).to(torch.int32)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    kv_bytes = 2 * k_cache.numel() * k_cache.element_size()
+    chosen = choose_num_splits(batch, NUM_KV_HEADS, context, device)
+    configs = [(splits, DECODE_BLOCK_N, DECODE_NUM_WARPS, DECODE_NUM_STAGES)
+               for splits in sorted({1, 2, 4, 8, 16, 32, chosen})]
+    configs += [(chosen, block_n, num_warps, num_stages) for block_n in (32, 64, 128) for num_warps in (4, 8)
+                for num_stages in (1, 2, 3, 4)]
+    lines = []
+    for splits, block_n, num_warps, num_stages in configs:
+        def run(s: int = splits, n: int = block_n, w: int = num_warps, st: int = num_stages) -> None:
+            paged_decode(q, k_cache, v_cache, tables, seq_lens, SCALE, s, block_n=n, num_warps=w, num_stages=st)
+
+        name = (f"decode bs={block_size:>3} b={batch:>3} ctx={context} splits={splits:>2}"
+                f"{'*' if splits == chosen else ' '} n={block_n:>3} w={num_warps} st={num_stages}")
+        try:
+            ms = bench_ms(run)
+            lines.append(f"{name}: {ms * 1e3:8.1f} us {kv_bytes / ms / 1e6:7.0f} GB/s")
+        except Exception as error:  # a configuration the compiler rejects: report it, go on
+            lines.append(f"{name}: FAILED {error!r:.100}")
+        print(lines[-1], flush=True)
+    return lines
+
+
+def sweep(device: torch.device) -> list[str]:
+    """Decode and prefill kernel configurations around the defaults."""
+    lines = []
+    for block_size, batch, context in ((16, 64, 4096), (256, 64, 4096), (256, 8, 4096), (256, 256, 1024)):
+        lines += sweep_decode(block_size, batch, context, device)
+        torch.cuda.empty_cache()
+    for max_block_m in (64, 128):
+        for block_n in (32, 64, 128):
+            for num_warps in (4, 8):
+                for num_stages in (2, 3, 4):
+                    config = {"max_block_m": max_block_m, "block_n": block_n, "num_warps": num_warps,
+                              "num_stages": num_stages}
+                    try:
+                        lines.append(prefill_rows(256, 1024, 256, device, **config)[0].line())
+                    except Exception as error:  # a configuration the compiler rejects: report it, go on
+                        lines.append(f"prefill {config}: FAILED {error!r:.100}")
+                    print(lines[-1], flush=True)
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", action="store_true", help="also sweep kernel configurations")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA device")
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    print(HEADER, flush=True)
+    rows: list[Row] = []
+    for block_size in (256, 16):
+        for batch in (1, 8, 64, 256):
+            for context in (512, 1024, 4096):
+                for row in decode_rows(block_size, batch, context, device):
+                    rows.append(row)
+                    print(row.line(), flush=True)
+                torch.cuda.empty_cache()
+    for block_size in (256, 16):
+        for row in prefill_rows(256, 1024, block_size, device):
+            rows.append(row)
+            print(row.line(), flush=True)
+    sweep_lines = sweep(device) if args.sweep else []
+    bad = [row for row in rows if not math.isnan(row.error) and not row.error < 2e-2]
+    print("\n== summary (K+V bytes / median time for decode; causal FLOPs / median time for prefill) ==")
+    print(HEADER)
+    for row in rows:
+        print(row.line())
+    if sweep_lines:
+        print(f"== sweep: {len(sweep_lines)} configurations above; defaults marked by the summary rows ==")
+    if bad:
+        print(f"WARNING: {len(bad)} Triton results differ from SDPA by >= 2e-2: "
+              f"{[(r.what, r.block_size, r.batch, r.context) for r in bad]}")
+
+
+if __name__ == "__main__":
+    main()

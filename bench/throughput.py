@@ -1,0 +1,261 @@
+"""Throughput on the reference offline workload: in-process (the offline LLM) and through the gRPC
+services (worker and scheduler processes started by the `nanovllm` CLI, all requests sent at once
+by an asyncio client), and the first 32 requests through transformers' continuous batching.
+
+    python bench/throughput.py --model random-qwen3-0.6b            # on a GPU: the reference run
+    python bench/throughput.py --model PATH --num-seqs 16 --max-input-len 128 --max-output-len 64
+
+Each mode runs in its own process (so that each has the whole GPU); output tok/s counts output
+tokens over wall time, prefill included, after a warm-up. The last lines are a table.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from bench.workload import bench_workload  # noqa: E402
+
+KV_BYTES_PER_TOKEN_QWEN3_0_6B = 28 * 8 * 128 * 2 * 2
+RESULT_PREFIX = "RESULT "
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="random-qwen3-0.6b",
+                        help="checkpoint path, or random-qwen3-0.6b (built under --work-dir)")
+    parser.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "nanovllm-bench"))
+    parser.add_argument("--modes", default="inprocess,grpc,hf", help="comma-separated: inprocess, grpc, hf")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--max-input-len", type=int, default=1024)
+    parser.add_argument("--max-output-len", type=int, default=1024)
+    parser.add_argument("--hf-num-seqs", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--block-size", type=int, default=256)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--run-mode", help=argparse.SUPPRESS)  # internal: one mode in this process
+    parser.add_argument("--json-out", help="write all results as JSON here")
+    return parser.parse_args(argv)
+
+
+def resolve_model(args: argparse.Namespace) -> str:
+    if args.model != "random-qwen3-0.6b":
+        return args.model
+    from bench.random_checkpoint import make_random_checkpoint
+
+    return str(make_random_checkpoint(Path(args.work_dir) / "random-qwen3-0.6b"))
+
+
+def workload(args: argparse.Namespace, limit: int | None = None) -> tuple[list[list[int]], list[int]]:
+    prompts, max_tokens = bench_workload(args.num_seqs, args.max_input_len, args.max_output_len)
+    return (prompts[:limit], max_tokens[:limit]) if limit else (prompts, max_tokens)
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    return dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                enforce_eager=args.enforce_eager, device=args.device)
+
+
+# Modes, each run in its own process.
+
+def run_inprocess(args: argparse.Namespace, model: str) -> dict:
+    from common import SamplingParams
+    from scheduler_service import LLM
+
+    llm = LLM(model, **engine_options(args))
+    llm.generate([[1] * 100] * 8, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+    results = {}
+    for name, limit in (("all", None), ("hf_slice", args.hf_num_seqs)):
+        prompts, max_tokens = workload(args, limit)
+        params = [SamplingParams(temperature=args.temperature, max_tokens=m, ignore_eos=True) for m in max_tokens]
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - started
+        results[name] = {"output_tokens": sum(len(o["token_ids"]) for o in outputs), "seconds": elapsed}
+    results["num_kv_blocks"] = llm.engine.block_manager.num_blocks
+    results["num_preemptions"] = llm.engine.scheduler.num_preemptions
+    return results
+
+
+def run_grpc(args: argparse.Namespace, model: str) -> dict:
+    from tests.services_harness import free_port
+
+    worker_port, port = free_port(), free_port()
+    python = [sys.executable, "-m", "common.cli", "--log-level", "WARNING"]
+    worker_flags = ["--model", model, "--port", str(worker_port), "--max-model-len", str(args.max_model_len),
+                    "--block-size", str(args.block_size), "--device", args.device,
+                    *(["--enforce-eager"] if args.enforce_eager else [])]
+    worker = subprocess.Popen([*python, "worker", *worker_flags], cwd=REPO_ROOT)
+    scheduler = subprocess.Popen([*python, "scheduler", "--worker", f"127.0.0.1:{worker_port}", "--port", str(port),
+                                  "--max-num-seqs", str(args.max_num_seqs),
+                                  "--max-num-batched-tokens", str(args.max_num_batched_tokens)], cwd=REPO_ROOT)
+    try:
+        return asyncio.run(_grpc_client(args, f"127.0.0.1:{port}"))
+    finally:
+        for process in (scheduler, worker):
+            process.terminate()
+            process.wait(timeout=30)
+
+
+async def _grpc_client(args: argparse.Namespace, target: str) -> dict:
+    import grpc
+
+    from common.client import GenerationClient, build_request
+    from common.generated.nanovllm.generate.v1 import generate_pb2_grpc
+    from common.grpc_options import channel_options
+
+    with GenerationClient(target) as client:
+        client.wait_ready(timeout=600)
+    async with grpc.aio.insecure_channel(target, options=channel_options()) as channel:
+        stub = generate_pb2_grpc.TextGenerationStub(channel)
+        warmup = [build_request([1] * 100, max_tokens=16, ignore_eos=True) for _ in range(8)]
+        await asyncio.gather(*(stub.Generate(r) for r in warmup))
+        results = {}
+        for name, limit in (("all", None), ("hf_slice", args.hf_num_seqs)):
+            prompts, max_tokens = workload(args, limit)
+            requests = [build_request(p, max_tokens=m, temperature=args.temperature, ignore_eos=True)
+                        for p, m in zip(prompts, max_tokens, strict=True)]
+            started = time.perf_counter()
+            responses = await asyncio.gather(*(stub.Generate(r) for r in requests))
+            elapsed = time.perf_counter() - started
+            results[name] = {"output_tokens": sum(len(r.token_ids) for r in responses), "seconds": elapsed}
+        return results
+
+
+def run_hf(args: argparse.Namespace, model: str) -> dict:
+    """transformers' continuous batching (paged|sdpa) on the first requests, the same sampling."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16, attn_implementation="paged|sdpa")
+    hf = hf.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+    config = GenerationConfig(max_new_tokens=args.max_output_len, do_sample=True, temperature=args.temperature,
+                              top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0)
+    prompts, max_tokens = workload(args, args.hf_num_seqs)
+    manager = hf.init_continuous_batching(generation_config=config)
+    manager.start()
+    try:
+        started = time.perf_counter()
+        for index, (prompt, limit) in enumerate(zip(prompts, max_tokens, strict=True)):
+            manager.add_request(prompt, request_id=str(index), max_new_tokens=limit)
+        outputs = {}
+        while len(outputs) < len(prompts):
+            result = manager.get_result(timeout=600)
+            if result is None:
+                raise RuntimeError("transformers' continuous batching stopped without finishing")
+            if result.is_finished() if hasattr(result, "is_finished") else True:
+                outputs[result.request_id] = result
+        elapsed = time.perf_counter() - started
+    finally:
+        manager.stop(block=True)
+    return {"hf_slice": {"output_tokens": sum(len(o.generated_tokens) for o in outputs.values()),
+                         "seconds": elapsed}}
+
+
+# Ceiling and report.
+
+def measure_copy_bandwidth() -> float | None:
+    """Device copy bandwidth in bytes/s (read + write), or None without CUDA."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    source = torch.randn(1 << 30, device="cuda", dtype=torch.float32)  # 4 GiB
+    target = torch.empty_like(source)
+    for _ in range(3):
+        target.copy_(source)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        target.copy_(source)
+    end.record()
+    end.synchronize()
+    return 10 * 2 * source.numel() * 4 / (start.elapsed_time(end) / 1e3)
+
+
+def bandwidth_floor_seconds(args: argparse.Namespace, bandwidth: float, weight_bytes: float) -> float:
+    """The memory floor of the decode phase: every step reads the weights and each running
+    sequence's K/V once (Qwen3-0.6B shapes)."""
+    prompts, max_tokens = workload(args)
+    kv_bytes = sum(len(p) * m + m * (m + 1) / 2 for p, m in zip(prompts, max_tokens, strict=True))
+    kv_bytes *= KV_BYTES_PER_TOKEN_QWEN3_0_6B
+    return (kv_bytes + weight_bytes * max(max_tokens)) / bandwidth
+
+
+def run_mode_in_subprocess(args: argparse.Namespace, mode: str, argv: list[str]) -> dict | None:
+    command = [sys.executable, str(Path(__file__).resolve()), *argv, "--run-mode", mode]
+    process = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
+    sys.stderr.write(process.stderr[-4000:])
+    for line in process.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX):])
+    print(f"mode {mode} failed (exit {process.returncode})", file=sys.stderr)
+    return None
+
+
+def tok_s(entry: dict | None) -> float | None:
+    return entry["output_tokens"] / entry["seconds"] if entry else None
+
+
+def report(args: argparse.Namespace, results: dict, bandwidth: float | None) -> None:
+    rows = []
+    for mode in ("inprocess", "grpc"):
+        if results.get(mode):
+            entry = results[mode]["all"]
+            rows.append((f"{mode}, {args.num_seqs} requests", entry["output_tokens"], entry["seconds"], tok_s(entry)))
+    for mode in ("inprocess", "grpc", "hf"):
+        if results.get(mode):
+            entry = results[mode]["hf_slice"]
+            label = "transformers CB" if mode == "hf" else mode
+            rows.append((f"{label}, first {args.hf_num_seqs}", entry["output_tokens"], entry["seconds"], tok_s(entry)))
+    print()
+    print(f"{'configuration':36} {'out tokens':>10} {'seconds':>9} {'tok/s':>10}")
+    for name, tokens, seconds, rate in rows:
+        print(f"{name:36} {tokens:>10} {seconds:>9.2f} {rate:>10.0f}")
+    inproc, grpc_ = results.get("inprocess"), results.get("grpc")
+    if inproc and grpc_:
+        print(f"gRPC / in-process: {tok_s(grpc_['all']) / tok_s(inproc['all']):.3f}")
+    if inproc and results.get("hf"):
+        print(f"ours / transformers CB (first {args.hf_num_seqs}): "
+              f"{tok_s(inproc['hf_slice']) / tok_s(results['hf']['hf_slice']):.1f}x")
+    if bandwidth and inproc and args.model == "random-qwen3-0.6b":
+        floor = bandwidth_floor_seconds(args, bandwidth, weight_bytes=1.19e9)
+        print(f"measured copy bandwidth {bandwidth / 1e12:.2f} TB/s; decode memory floor {floor:.2f} s; "
+              f"in-process reaches {floor / inproc['all']['seconds']:.2f} of the bandwidth ceiling")
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    args = parse_args(argv)
+    model = resolve_model(args)
+    if args.run_mode:
+        runner = {"inprocess": run_inprocess, "grpc": run_grpc, "hf": run_hf}[args.run_mode]
+        print(RESULT_PREFIX + json.dumps(runner(args, model)), flush=True)
+        return 0
+    results = {mode: run_mode_in_subprocess(args, mode, argv) for mode in args.modes.split(",")}
+    bandwidth = measure_copy_bandwidth()
+    results["copy_bandwidth_bytes_per_s"] = bandwidth
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    report(args, results, bandwidth)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

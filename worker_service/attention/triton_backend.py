@@ -1,0 +1,55 @@
+"""The Triton attention backend, the default on CUDA: a store kernel for new K/V, a split-K paged
+decode kernel for decode-only batches, and a paged flash-attention kernel for everything else."""
+from __future__ import annotations
+
+import torch
+
+from worker_service.attention import register_backend
+from worker_service.attention.base import AttentionBackend, AttentionMetadata
+from worker_service.attention.triton_decode import choose_num_splits, decode_workspace_numel, paged_decode
+from worker_service.attention.triton_prefill import paged_prefill
+from worker_service.attention.triton_store_kv import store_kv
+
+
+@register_backend("triton")
+class TritonAttentionBackend(AttentionBackend):
+    """No host syncs and no data-dependent host logic on the decode path, so it can be captured
+    in a CUDA graph (see AttentionMetadata.decode_num_splits / decode_workspace)."""
+
+    def __init__(self) -> None:
+        # Split-decode scratch allocated here when the metadata brings none. Buffers are only ever
+        # added, never freed: a CUDA graph captured with one keeps using its address on replay.
+        self._workspaces: list[torch.Tensor] = []
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 metadata: AttentionMetadata) -> None:
+        store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        if not metadata.is_decode_only:
+            return paged_prefill(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
+                                 metadata.query_start_loc, metadata.max_query_len, scale)
+        num_seqs, num_heads, head_dim = q.shape
+        if num_seqs != metadata.num_seqs:
+            raise ValueError(f"decode batch: {num_seqs} query tokens for {metadata.num_seqs} sequences")
+        num_splits = metadata.decode_num_splits
+        if num_splits is None:
+            num_splits = choose_num_splits(num_seqs, k_cache.shape[2], metadata.max_seq_len, q.device)
+        workspace = metadata.decode_workspace
+        if workspace is None:
+            workspace = self._workspace(decode_workspace_numel(num_seqs, num_heads, head_dim, num_splits), q.device)
+        return paged_decode(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale, num_splits,
+                            workspace)
+
+    def _workspace(self, numel: int, device: torch.device) -> torch.Tensor | None:
+        """A cached float32 buffer of at least numel elements on device (None when numel is 0)."""
+        if numel == 0:
+            return None
+        for buffer in self._workspaces:
+            if buffer.device == device and buffer.numel() >= numel:
+                return buffer
+        # Round up so that a handful of buffers covers every batch size.
+        buffer = torch.empty(1 << (numel - 1).bit_length(), dtype=torch.float32, device=device)
+        self._workspaces.append(buffer)
+        return buffer

@@ -1,0 +1,40 @@
+"""Small helpers shared by the Triton attention kernels' launchers (host side only)."""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+LOG2E = math.log2(math.e)  # folded into the softmax scale so that the kernels can use exp2
+H200_NUM_SMS = 132  # fallback when the device cannot be asked (CPU, Triton's interpreter)
+
+
+def check_kernel_operands(**tensors: torch.Tensor) -> None:
+    """The kernels index head_dim with unit stride and a power-of-two tile (which is what makes
+    their loads 16-byte wide and coalesced); reject anything else early with a clear message."""
+    for name, tensor in tensors.items():
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension, got strides {tensor.stride()}")
+        head_dim = tensor.shape[-1]
+        if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
+            raise ValueError(f"{name}: head_dim must be a power of two in [16, 256], got {head_dim}")
+
+
+@functools.cache
+def _device_num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of device (cached: asking once is a driver call, not a sync)."""
+    if device.type != "cuda":
+        return H200_NUM_SMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _device_num_sms(index)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """Triton's tl.dot rounds float32 operands to tf32 by default (~3e-4 relative error); ask for
+    full float32 when the cache is float32, since that is only used for tests and references."""
+    return "ieee" if dtype == torch.float32 else "tf32"

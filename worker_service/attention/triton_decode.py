@@ -1,0 +1,209 @@
+"""Paged decode attention (one query token per sequence), split-K / flash-decoding, in Triton.
+
+Grid (num_seqs, num_kv_heads, num_splits). A program loads the GROUP query heads that share one KV
+head as the rows of one tile, so each K/V tile is read from memory once per KV head and not once
+per query head, and streams its share of the sequence's context through the block table in tiles
+of BLOCK_N tokens x head_dim (each token's head_dim row is contiguous: 16-byte, coalesced loads).
+Scores and the online softmax are float32 in the log2 domain (log2(e) folded into the scale, exp2).
+
+With one split the kernel normalizes and writes the output directly. With several, each program
+writes its normalized partial output and log2-sum-exp to a float32 workspace and a second small
+kernel merges the splits. Every sequence's context is cut into num_splits equal pieces inside the
+kernel (from its own seq_len), so the grid, the workspace and the launch depend only on num_seqs
+and num_splits: a CUDA graph captured once replays correctly for any context lengths. Splits
+beyond a short sequence's context (and sequences with seq_len 0, e.g. graph padding) write
+neutral partials (lse = -inf, output 0), so the merge needs no knowledge of the lengths.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from worker_service.attention.triton_common import LOG2E, check_kernel_operands, dot_precision, num_sms
+from worker_service.attention.triton_paging import load_page_ids, token_offsets
+
+DECODE_BLOCK_N = 64  # context tokens per tile: 16 KiB of K (and of V) per tile at head_dim 128 in bf16
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 3  # next tile's K/V in flight while this one computes (>= 3 needed: see triton_paging)
+TARGET_WAVES = 4  # aim for this many programs per multiprocessor when splitting
+MIN_TOKENS_PER_SPLIT = 128  # below this a split's fixed cost (q load, partial write, merge) dominates
+MAX_NUM_SPLITS = 64
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
+    scale_log2, num_splits,
+    stride_q_tok, stride_q_head,
+    stride_k_block, stride_k_tok, stride_k_head,
+    stride_v_block, stride_v_tok, stride_v_head,
+    stride_bt_seq,
+    stride_o_tok, stride_o_head,
+    stride_po_seq, stride_po_head, stride_po_split,
+    stride_pl_seq, stride_pl_head,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # Equal pieces rounded up to whole tiles, so that tiles never straddle two splits.
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    rows = tl.arange(0, BLOCK_H)  # query heads of this KV head's group, padded to a dot-friendly size
+    dims = tl.arange(0, HEAD_DIM)
+    cols = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + rows
+    row_mask = rows < GROUP
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :],
+                mask=row_mask[:, None], other=0.0).to(k_cache_ptr.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    k_head = k_cache_ptr + kv_head * stride_k_head
+    v_head = v_cache_ptr + kv_head * stride_v_head
+    page_ids = load_page_ids(table, start, end, BLOCK_SIZE, BLOCK_N)
+    for tile_start in range(start, end, BLOCK_N):
+        col_mask = tile_start + cols < end
+        k_rows = k_head + token_offsets(page_ids, tile_start, stride_k_block, stride_k_tok, BLOCK_SIZE, BLOCK_N)
+        v_rows = v_head + token_offsets(page_ids, tile_start, stride_v_block, stride_v_tok, BLOCK_SIZE, BLOCK_N)
+        page_ids = load_page_ids(table, tile_start + BLOCK_N, end, BLOCK_SIZE, BLOCK_N)  # next tile's, early
+        k = tl.load(k_rows[:, None] + dims[None, :], mask=col_mask[:, None], other=0.0)
+        v = tl.load(v_rows[:, None] + dims[None, :], mask=col_mask[:, None], other=0.0)
+
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        scores = tl.where(col_mask[None, :], scores, float("-inf"))
+        # Every tile holds at least one real token (start < end), so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    is_nonempty = l_i > 0.0
+    out_tile = acc / tl.where(is_nonempty, l_i, 1.0)[:, None]  # an empty range gives 0, not NaN
+    if IS_SPLIT:
+        lse = tl.where(is_nonempty, m_i + tl.log2(l_i), float("-inf"))
+        po = partial_out_ptr + seq.to(tl.int64) * stride_po_seq + split * stride_po_split
+        tl.store(po + heads[:, None] * stride_po_head + dims[None, :], out_tile, mask=row_mask[:, None])
+        pl = partial_lse_ptr + seq.to(tl.int64) * stride_pl_seq + split
+        tl.store(pl + heads * stride_pl_head, lse, mask=row_mask)
+    else:
+        o = out_ptr + seq.to(tl.int64) * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :]
+        tl.store(o, out_tile.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    partial_out_ptr, partial_lse_ptr, out_ptr, num_splits,
+    stride_po_seq, stride_po_head, stride_po_split,
+    stride_pl_seq, stride_pl_head,
+    stride_o_tok, stride_o_head,
+    HEAD_DIM: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_SPLITS)
+    dims = tl.arange(0, HEAD_DIM)
+    split_mask = splits < num_splits
+    lse = tl.load(partial_lse_ptr + seq * stride_pl_seq + head * stride_pl_head + splits,
+                  mask=split_mask, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # all splits empty: weights 0, output 0
+    weights = tl.exp2(lse - lse_max)
+    po = partial_out_ptr + seq * stride_po_seq + head * stride_po_head
+    parts = tl.load(po + splits[:, None] * stride_po_split + dims[None, :], mask=split_mask[:, None], other=0.0)
+    total = tl.sum(weights, 0)
+    merged = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + seq * stride_o_tok + head * stride_o_head + dims, merged.to(out_ptr.dtype.element_ty))
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device | None = None) -> int:
+    """KV splits per sequence: enough programs (num_seqs * num_kv_heads * splits) to give every
+    multiprocessor about TARGET_WAVES of them, but no split shorter than MIN_TOKENS_PER_SPLIT.
+
+    For CUDA graphs call it once per captured batch size with max_seq_len = the model's maximum
+    context, and pass the result as AttentionMetadata.decode_num_splits (correct for any actual
+    lengths: the kernel cuts each sequence's own context into that many pieces).
+    """
+    sms = num_sms(device) if device is not None else num_sms(torch.device("cpu"))
+    wanted = triton.cdiv(TARGET_WAVES * sms, max(1, num_seqs * num_kv_heads))
+    useful = triton.cdiv(max(1, max_seq_len), MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, useful, MAX_NUM_SPLITS))
+
+
+def decode_workspace_numel(num_seqs: int, num_heads: int, head_dim: int, num_splits: int) -> int:
+    """float32 elements of scratch the split decode needs (0 when num_splits == 1)."""
+    if num_splits <= 1:
+        return 0
+    return num_seqs * num_heads * num_splits * (head_dim + 1)
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float, num_splits: int, workspace: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None, *, block_n: int = DECODE_BLOCK_N, num_warps: int = DECODE_NUM_WARPS,
+                 num_stages: int = DECODE_NUM_STAGES) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context.
+
+    q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
+    block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32 (context incl. the token).
+    workspace: float32, at least decode_workspace_numel(...) elements, needed when num_splits > 1
+    (allocated here when None; preallocate it for CUDA graph capture). out: [num_seqs, num_heads,
+    head_dim], allocated when None. block_n, num_warps, num_stages: tuning knobs (see the bench).
+    Launches only, no host sync.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    check_kernel_operands(q=q, k_cache=k_cache, v_cache=v_cache)
+    out = torch.empty_like(q) if out is None else out
+    if num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    num_splits = max(1, min(int(num_splits), MAX_NUM_SPLITS))
+    is_split = num_splits > 1
+    if is_split:
+        needed = decode_workspace_numel(num_seqs, num_heads, head_dim, num_splits)
+        if workspace is None:
+            workspace = torch.empty(needed, dtype=torch.float32, device=q.device)
+        elif workspace.numel() < needed or workspace.dtype != torch.float32:
+            raise ValueError(f"decode workspace needs {needed} float32 elements, got {workspace.numel()} "
+                             f"{workspace.dtype}")
+        split_area = num_seqs * num_heads * num_splits
+        partial_out = workspace[:split_area * head_dim].view(num_seqs, num_heads, num_splits, head_dim)
+        partial_lse = workspace[split_area * head_dim:split_area * (head_dim + 1)].view(num_seqs, num_heads,
+                                                                                       num_splits)
+    else:
+        partial_out = partial_lse = out  # unused by the kernel's IS_SPLIT=False branch
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse,
+        scale * LOG2E, num_splits,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2) if is_split else 0,
+        partial_lse.stride(0), partial_lse.stride(1),
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, IS_SPLIT=is_split,
+        DOT_PRECISION=dot_precision(k_cache.dtype), num_warps=num_warps, num_stages=num_stages,
+    )
+    if is_split:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            partial_out, partial_lse, out, num_splits,
+            partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+            partial_lse.stride(0), partial_lse.stride(1),
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_SPLITS=triton.next_power_of_2(num_splits), num_warps=4,
+        )
+    return out
