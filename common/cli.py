@@ -30,12 +30,16 @@ def add_scheduler_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--host", default="127.0.0.1", help="public address to bind (0.0.0.0 for all)")
     group.add_argument("--port", type=int, default=DEFAULT_PORT, help="public gRPC port")
     group.add_argument("--tokenizer", help="tokenizer folder or .gguf (default: the worker's model path)")
-    group.add_argument("--max-num-seqs", type=int, default=256)
-    group.add_argument("--max-num-batched-tokens", type=int, default=16384)
     group.add_argument("--max-queue-size", type=int, default=4096)
     group.add_argument("--no-prefix-caching", action="store_true")
     group.add_argument("--shutdown-grace", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM")
+
+
+def add_batch_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("batching")
+    group.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
+    group.add_argument("--max-num-batched-tokens", type=int, default=16384, help="most tokens in one step")
 
 
 def worker_config_from(args: argparse.Namespace):
@@ -44,7 +48,8 @@ def worker_config_from(args: argparse.Namespace):
     return WorkerConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                         max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
                         cpu_kv_cache_bytes=int(args.cpu_kv_cache_gb * 2**30), num_kv_blocks=args.num_kv_blocks,
-                        enforce_eager=args.enforce_eager)
+                        enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens)
 
 
 def scheduler_config_from(args: argparse.Namespace):
@@ -77,11 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     worker = commands.add_parser("worker", help="serve a model's worker (Step RPCs) on --worker-port")
     add_worker_options(worker)
+    add_batch_options(worker)
     worker.add_argument("--host", default="127.0.0.1", help="address to bind, or a unix socket path")
     worker.add_argument("--port", type=int, default=DEFAULT_WORKER_PORT)
 
     scheduler = commands.add_parser("scheduler", help="serve the public API, driving running workers")
     add_scheduler_options(scheduler)
+    add_batch_options(scheduler)
     scheduler.add_argument("--worker", required=True, help="worker address host:port (or unix:/path)")
 
     health = commands.add_parser("health", help="exit 0 if the server at --target reports SERVING")
@@ -91,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="start a worker and the scheduler on this machine")
     add_worker_options(serve)
     add_scheduler_options(serve)
+    add_batch_options(serve)
     return parser
 
 

@@ -44,6 +44,10 @@ class WorkerConfig:
     enforce_eager: bool = False
     attention_backend: str = "auto"
     seed: int = 0
+    # The largest step the worker must serve: sizes its activation memory and its CUDA graphs.
+    # The scheduler never schedules more (it takes the smaller of its own limits and these).
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 16384
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model", "must name a checkpoint folder or GGUF file")
@@ -56,6 +60,9 @@ class WorkerConfig:
                  f"must be in (0, 1], got {self.gpu_memory_utilization}")
         _require(self.cpu_kv_cache_bytes > 0, "cpu_kv_cache_bytes", f"must be > 0, got {self.cpu_kv_cache_bytes}")
         _require(self.num_kv_blocks >= 0, "num_kv_blocks", f"must be >= 0, got {self.num_kv_blocks}")
+        _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+                 f"must be >= 1, got {self.max_num_batched_tokens}")
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,8 @@ class WorkerInfo:
     vocab_size: int
     num_kv_blocks: int
     device: str
+    max_num_seqs: int = 0  # 0: the worker sets no limit of its own
+    max_num_batched_tokens: int = 0
 
 
 def split_options(options: dict[str, object]) -> tuple[dict[str, object], dict[str, object]]:

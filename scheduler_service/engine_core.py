@@ -6,6 +6,7 @@ calls them back to back.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -42,8 +43,19 @@ class InFlightStep:
     scheduled: dict[int, tuple[Sequence, int]]
 
 
+def _clamped_to_worker(config: SchedulerConfig, worker: WorkerInfo) -> SchedulerConfig:
+    """The scheduler never plans a step larger than the worker is sized for."""
+    changes = {}
+    if worker.max_num_seqs and worker.max_num_seqs < config.max_num_seqs:
+        changes["max_num_seqs"] = worker.max_num_seqs
+    if worker.max_num_batched_tokens and worker.max_num_batched_tokens < config.max_num_batched_tokens:
+        changes["max_num_batched_tokens"] = worker.max_num_batched_tokens
+    return dataclasses.replace(config, **changes) if changes else config
+
+
 class EngineCore:
     def __init__(self, config: SchedulerConfig, worker_info: WorkerInfo, eos_token_ids: Iterable[int]) -> None:
+        config = _clamped_to_worker(config, worker_info)
         self.config = config
         self.worker_info = worker_info
         self.max_model_len = min(config.max_model_len or worker_info.max_model_len, worker_info.max_model_len)

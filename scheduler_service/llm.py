@@ -22,7 +22,8 @@ Prompt = str | list[int]
 def worker_info_from(describe: worker_pb2.DescribeResponse, num_kv_blocks: int) -> WorkerInfo:
     return WorkerInfo(model_name=describe.model_name, dtype=describe.dtype, block_size=describe.block_size,
                       max_model_len=describe.max_model_len, vocab_size=describe.vocab_size,
-                      num_kv_blocks=num_kv_blocks, device=describe.device)
+                      num_kv_blocks=num_kv_blocks, device=describe.device, max_num_seqs=describe.max_num_seqs,
+                      max_num_batched_tokens=describe.max_num_batched_tokens)
 
 
 class LLM:

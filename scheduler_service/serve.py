@@ -27,6 +27,7 @@ def worker_command(args: argparse.Namespace, port: int) -> list[str]:
         "--dtype", args.dtype, "--device", args.device, "--block-size", str(args.block_size),
         "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
         "--cpu-kv-cache-gb", str(args.cpu_kv_cache_gb), "--num-kv-blocks", str(args.num_kv_blocks),
+        "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         *(["--enforce-eager"] if args.enforce_eager else []),
     ]
 

@@ -9,6 +9,8 @@ import torch
 from common.config import WorkerConfig
 from worker_service.attention import default_backend_name, get_attention_backend
 from worker_service.batch import ModelInput
+from worker_service.cuda_graphs import DecodeGraphs
+from worker_service.memory_profile import profile_peak_memory
 from worker_service.model_loading import load_checkpoint
 from worker_service.sampler import Sampler, SamplerOutput, SamplingBatch
 from worker_service.sampling_inputs import sampling_batch_inputs
@@ -61,6 +63,8 @@ class ModelRunner:
                                    self.model_config.num_kv_heads, self.model_config.head_dim, self.dtype)
         self.num_kv_blocks = 0
         self.kv_cache: torch.Tensor | None = None
+        self._available_blocks: int | None = None
+        self.graphs: DecodeGraphs | None = None
 
     @property
     def model_name(self) -> str:
@@ -73,45 +77,79 @@ class ModelRunner:
     # KV cache.
 
     def available_kv_blocks(self) -> int:
-        """Blocks that fit in the memory budget (or the configured override)."""
-        if self.config.num_kv_blocks:
-            return self.config.num_kv_blocks
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-            budget = int(total * self.config.gpu_memory_utilization) - used_by_others \
-                - torch.cuda.max_memory_allocated(self.device)
-        else:
-            budget = self.config.cpu_kv_cache_bytes
-        return max(budget // self.kv_spec.bytes_per_block, 0)
+        """Blocks that fit in the memory budget (or the configured override). On a GPU the budget is
+        gpu_memory_utilization of the device, less what other processes hold and the peak of a
+        warm-up step of the largest size the worker serves (weights and activations)."""
+        if self._available_blocks is None:
+            if self.config.num_kv_blocks:
+                self._available_blocks = self.config.num_kv_blocks
+            elif self.device.type == "cuda":
+                self._available_blocks = self._gpu_kv_budget() // self.kv_spec.bytes_per_block
+            else:
+                self._available_blocks = self.config.cpu_kv_cache_bytes // self.kv_spec.bytes_per_block
+        return max(self._available_blocks, 0)
 
-    def init_cache(self, num_blocks: int) -> int:
+    def _gpu_kv_budget(self) -> int:
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        peak = profile_peak_memory(self)
+        # CUDA graphs and the allocator's fragmentation take a little more than the warm-up shows.
+        margin = 512 * 2**20
+        budget = int(total * self.config.gpu_memory_utilization) - used_by_others - peak - margin
+        logger.info("GPU memory: %.1f GiB total, %.1f GiB used by others, %.2f GiB peak of a warm-up step; "
+                    "%.1f GiB for the KV cache", total / 2**30, used_by_others / 2**30, peak / 2**30, budget / 2**30)
+        return budget
+
+    def release_cache(self) -> None:
+        self.graphs = None
+        self.kv_cache = None
+        self.num_kv_blocks = 0
+
+    def init_cache(self, num_blocks: int, capture_graphs: bool = True) -> int:
         spec = self.kv_spec
         self.kv_cache = None
-        self.kv_cache = torch.zeros((spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads,
-                                     spec.head_dim), dtype=spec.dtype, device=self.device)
+        self.graphs = None
+        # Every slot is written before it is read; zeros on the CPU only keep stray reads finite.
+        allocate = torch.empty if self.device.type == "cuda" else torch.zeros
+        self.kv_cache = allocate((spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
+                                 dtype=spec.dtype, device=self.device)
         for layer_index, attention in enumerate(self.model.attention_layers()):
             attention.k_cache = self.kv_cache[layer_index, 0]
             attention.v_cache = self.kv_cache[layer_index, 1]
         self.num_kv_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, spec.block_size,
                     num_blocks * spec.bytes_per_block / 2**20)
+        if capture_graphs and self.device.type == "cuda" and not self.config.enforce_eager:
+            self.graphs = DecodeGraphs(self.model, self.model_config, self.backend, self.config.max_num_seqs,
+                                       self.max_model_len, self.config.block_size, self.device)
+            self.graphs.capture()
         return num_blocks
 
     # Steps.
 
     @torch.inference_mode()
     def run(self, model_input: ModelInput) -> SamplerOutput | None:
-        if self.kv_cache is None:
-            raise RuntimeError("the KV cache is not initialised (InitCache first)")
-        model_input = self._to_device(model_input)
-        hidden = self.model(model_input.input_ids, model_input.positions, model_input.metadata)
-        if not model_input.sampled_chunks:
+        logits = self.forward_logits(model_input)
+        if logits is None:
             return None
-        logits = self.model.compute_logits(hidden[model_input.logits_indices]).float()
         batch = SamplingBatch.build(**sampling_batch_inputs(model_input.sampled_chunks),
                                     vocab_size=self.vocab_size, device=self.device)
         return self.sampler.sample(logits, batch)
+
+    @torch.inference_mode()
+    def forward_logits(self, model_input: ModelInput) -> torch.Tensor | None:
+        """Logits of the last token of each sampling chunk (None when no chunk samples); decode
+        batches run through a CUDA graph when one is captured."""
+        if self.kv_cache is None:
+            raise RuntimeError("the KV cache is not initialised (InitCache first)")
+        model_input = self._to_device(model_input)
+        if self.graphs is not None and self.graphs.can_run(model_input.metadata):
+            hidden = self.graphs.run(model_input.input_ids, model_input.positions, model_input.metadata)
+        else:
+            hidden = self.model(model_input.input_ids, model_input.positions, model_input.metadata)
+        if not model_input.sampled_chunks:
+            return None
+        return self.model.compute_logits(hidden[model_input.logits_indices])
 
     def _to_device(self, model_input: ModelInput) -> ModelInput:
         if self.device.type == "cpu":

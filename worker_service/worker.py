@@ -16,6 +16,7 @@ class WorkerCore:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.runner = ModelRunner(config)
+        self.runner.available_kv_blocks()  # profiles GPU memory now, so that Describe answers at once
         self.seq_id_to_state: dict[int, WorkerSequence] = {}
         self._last_step_id = 0
 
@@ -36,6 +37,8 @@ class WorkerCore:
             tensor_parallel_size=1,
             eos_token_ids=self.eos_token_ids,
             num_held_sequences=len(self.seq_id_to_state),
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
         )
 
     def init_cache(self, request: worker_pb2.InitCacheRequest) -> worker_pb2.InitCacheResponse:

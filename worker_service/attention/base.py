@@ -62,3 +62,10 @@ class AttentionBackend(ABC):
                scale: float) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]. Token i of
         sequence s at position p attends to positions 0..p of s (causal), read from the cache."""
+
+    def prepare_decode_graph(self, metadata: AttentionMetadata, num_heads: int, num_kv_heads: int, head_dim: int,
+                             max_seq_len: int) -> AttentionMetadata:
+        """Fixes whatever a decode batch of metadata.num_seqs sequences needs so that one CUDA
+        graph captured with it stays right for any context up to max_seq_len. Called before
+        capture (it may allocate); the default needs nothing."""
+        return metadata

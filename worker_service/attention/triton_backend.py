@@ -42,6 +42,15 @@ class TritonAttentionBackend(AttentionBackend):
         return paged_decode(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale, num_splits,
                             workspace)
 
+    def prepare_decode_graph(self, metadata: AttentionMetadata, num_heads: int, num_kv_heads: int, head_dim: int,
+                             max_seq_len: int) -> AttentionMetadata:
+        device = metadata.seq_lens.device
+        num_splits = choose_num_splits(metadata.num_seqs, num_kv_heads, max_seq_len, device)
+        metadata.decode_num_splits = num_splits
+        metadata.decode_workspace = self._workspace(
+            decode_workspace_numel(metadata.num_seqs, num_heads, head_dim, num_splits), device)
+        return metadata
+
     def _workspace(self, numel: int, device: torch.device) -> torch.Tensor | None:
         """A cached float32 buffer of at least numel elements on device (None when numel is 0)."""
         if numel == 0:

@@ -117,7 +117,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model_name", "dtype", "block_size", "max_model_len", "vocab_size", "num_kv_blocks", "device", "tensor_parallel_size", "eos_token_ids", "num_held_sequences")
+    __slots__ = ("model_name", "dtype", "block_size", "max_model_len", "vocab_size", "num_kv_blocks", "device", "tensor_parallel_size", "eos_token_ids", "num_held_sequences", "max_num_seqs", "max_num_batched_tokens")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,8 @@ class DescribeResponse(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_HELD_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     dtype: str
     block_size: int
@@ -138,7 +140,9 @@ class DescribeResponse(_message.Message):
     tensor_parallel_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_held_sequences: int
-    def __init__(self, model_name: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_held_sequences: _Optional[int] = ...) -> None: ...
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    def __init__(self, model_name: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_held_sequences: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...
 
 class InitCacheRequest(_message.Message):
     __slots__ = ("num_kv_blocks",)

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One GPU session: stages given as arguments, in order (default: tests attention throughput).
+#   tests       GPU tests (Triton kernels, the whole model against transformers)
+#   attention   bench/attention_bench.py
+#   throughput  bench/throughput.py, in-process and through gRPC (random Qwen3-0.6B, bf16)
+#   hf          bench/throughput.py, transformers' continuous batching vs ours on the first 32
+# Logs go to $OUT (or ./out). Expects a CUDA machine with torch, triton, transformers; carried
+# wheels in .whl (grpcio 1.85, health checking, reflection) are installed first if present.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown) $(date -u +%FT%TZ)" | tee -a "$OUT/gpu.txt"
+for stage in "${@:-tests attention throughput}"; do
+  for s in $stage; do
+    echo "=== $s"
+    case $s in
+      tests) timeout 420 python3 -m pytest -q -x -p no:cacheprovider tests/worker_service/test_triton_attention.py \
+               tests/worker_service/test_gpu_model.py tests/worker_service/test_sampler.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+      attention) timeout 240 python3 bench/attention_bench.py 2>&1 | tee "$OUT/attention.log" | tail -30 ;;
+      throughput) timeout 540 python3 bench/throughput.py --modes inprocess,grpc --json-out "$OUT/throughput.json" \
+               2>&1 | tee "$OUT/throughput.log" | tail -25 ;;
+      inprocess) timeout 400 python3 bench/throughput.py --modes inprocess --json-out "$OUT/inprocess.json" \
+               2>&1 | tee "$OUT/inprocess.log" | tail -25 ;;
+      hf) timeout 540 python3 bench/throughput.py --modes inprocess,hf --json-out "$OUT/hf.json" \
+               2>&1 | tee "$OUT/hf.log" | tail -25 ;;
+      *) echo "unknown stage $s" ;;
+    esac
+  done
+done
