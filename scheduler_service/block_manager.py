@@ -142,6 +142,14 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached block (benchmarks: each run starts cold). Blocks in use keep
+        their content but are no longer found by later lookups."""
+        for block in self.blocks:
+            block.hash = None
+            block.token_ids = ()
+        self.hash_to_block_id.clear()
+
     # Registration and release.
 
     def register_computed_blocks(self, seq: Sequence) -> None:

@@ -172,3 +172,14 @@ def test_duplicate_content_registers_once() -> None:
 def test_block_size_must_be_power_of_two(bad: int) -> None:
     with pytest.raises(ValueError, match="block_size"):
         BlockManager(4, bad)
+
+
+def test_reset_prefix_cache_forgets_every_hash() -> None:
+    manager = BlockManager(8, BLOCK)
+    tokens = list(range(40))
+    a = seq_of(tokens)
+    admit_all(manager, a)
+    manager.free(a)
+    manager.reset_prefix_cache()
+    assert manager.hash_to_block_id == {}
+    assert manager.find_prefix_hit(seq_of(tokens)).blocks == ()
