@@ -76,6 +76,7 @@ def teacher_forced_logits(checkpoint: Path, tokens: list[int], prompt_len: int) 
     assert runner.graphs is not None
     blocks = list(range(64))
     random.Random(0).shuffle(blocks)
+    blocks = blocks[:-(-len(tokens) // 16)]
     state = WorkerSequence(seq_id=1, block_table=blocks, num_computed_tokens=0, num_tokens=prompt_len,
                            num_prompt_tokens=prompt_len, sampling=worker_pb2.SamplingParams())
     half = prompt_len // 2
