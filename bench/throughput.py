@@ -48,6 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--run-mode", help=argparse.SUPPRESS)  # internal: one mode in this process
     parser.add_argument("--json-out", help="write all results as JSON here")
+    parser.add_argument("--profile", help="in-process mode: write a cProfile of the timed run here")
     return parser.parse_args(argv)
 
 
@@ -82,14 +83,28 @@ def run_inprocess(args: argparse.Namespace, model: str) -> dict:
     for name, limit in (("all", None), ("hf_slice", args.hf_num_seqs)):
         prompts, max_tokens = workload(args, limit)
         params = [SamplingParams(temperature=args.temperature, max_tokens=m, ignore_eos=True) for m in max_tokens]
+        profiler = _profiler(args.profile if name == "all" else None)
         started = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - started
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(args.profile)
         results[name] = {"output_tokens": sum(len(o["token_ids"]) for o in outputs), "seconds": elapsed}
         llm.engine.block_manager.reset_prefix_cache()  # the next run starts cold, like the reference
     results["num_kv_blocks"] = llm.engine.block_manager.num_blocks
     results["num_preemptions"] = llm.engine.scheduler.num_preemptions
     return results
+
+
+def _profiler(path: str | None):
+    if not path:
+        return None
+    import cProfile
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    return profiler
 
 
 def run_grpc(args: argparse.Namespace, model: str) -> dict:

@@ -80,17 +80,24 @@ class LLM:
     def _run(self, num_requests: int, detokenizers: dict, use_tqdm: bool) -> None:
         bar = tqdm(total=num_requests, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_tps = decode_tps = 0.0
-        while self.engine.has_unfinished:
+        in_flight = None  # (the step, the worker's handle on it): one step of lookahead
+        while self.engine.has_unfinished or in_flight is not None:
             started = time.perf_counter()
-            step = self.engine.build_step()
-            if step is None:
-                raise RuntimeError("the scheduler has unfinished requests but cannot schedule any")
-            response = self.worker.step(step.request)
-            updates = self.engine.process_step(step, response)
+            step = self.engine.build_step() if self.engine.has_unfinished else None
+            # Launched before the previous step is read back: the worker queues it behind that one.
+            launched = self.worker.launch(step.request) if step is not None else None
+            if in_flight is None:
+                if step is None:
+                    raise RuntimeError("the scheduler has unfinished requests but cannot schedule any")
+                in_flight = (step, launched)
+                continue
+            done, handle = in_flight
+            in_flight = (step, launched) if step is not None else None
+            updates = self.engine.process_step(done, handle.result())
             elapsed = time.perf_counter() - started
-            num_prefill = sum(len(s.token_ids) for s in step.request.new_sequences) + sum(
-                len(s.token_ids) for s in step.request.running_sequences)
-            num_decode = sum(1 for s in step.request.running_sequences if not s.token_ids)
+            num_prefill = sum(len(s.token_ids) for s in done.request.new_sequences) + sum(
+                len(s.token_ids) for s in done.request.running_sequences)
+            num_decode = sum(1 for s in done.request.running_sequences if not s.token_ids)
             if num_prefill:
                 prefill_tps = num_prefill / elapsed
             if num_decode:

@@ -2,7 +2,8 @@
 attention metadata. Pure bookkeeping on the host; the runner moves the result to the device."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -16,6 +17,9 @@ class ScheduledChunk:
     state: WorkerSequence
     token_ids: list[int]  # the tokens to compute, starting at state.num_computed_tokens
     samples: bool  # the chunk reaches the end of the sequence
+    # For a decode chunk whose token an earlier step sampled and has not read back yet: (that step,
+    # its row); token_ids then holds a placeholder that the device fills in.
+    token_source: tuple[Any, int] | None = None
 
 
 @dataclass
@@ -25,6 +29,8 @@ class ModelInput:
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampled] int64: the last token of each sampling chunk
     sampled_chunks: list[ScheduledChunk]
+    # Tokens to take from earlier steps' device outputs: input position -> (step, row).
+    token_sources: dict[int, tuple[Any, int]] = field(default_factory=dict)
 
 
 def apply_step(request: worker_pb2.StepRequest, seq_id_to_state: dict[int, WorkerSequence]) -> list[ScheduledChunk]:
@@ -46,6 +52,8 @@ def apply_step(request: worker_pb2.StepRequest, seq_id_to_state: dict[int, Worke
         if running.token_ids:
             state.num_tokens = max(state.num_tokens, state.num_computed_tokens + len(running.token_ids))
             chunks.append(_chunk(state, list(running.token_ids)))
+        elif state.pending is not None:
+            chunks.append(ScheduledChunk(state, [0], samples=True, token_source=state.pending))
         elif state.last_token is not None:
             chunks.append(ScheduledChunk(state, [state.last_token], samples=True))
         else:
@@ -70,6 +78,7 @@ def build_model_input(chunks: list[ScheduledChunk], block_size: int) -> ModelInp
     query_start = [0]
     seq_lens: list[int] = []
     logits_indices: list[int] = []
+    token_sources: dict[int, tuple[Any, int]] = {}
     for chunk in chunks:
         state = chunk.state
         start = state.num_computed_tokens
@@ -78,6 +87,8 @@ def build_model_input(chunks: list[ScheduledChunk], block_size: int) -> ModelInp
             raise ValueError(f"sequence {state.seq_id}: {end} tokens exceed its "
                              f"{len(state.block_table)} blocks of {block_size}")
         table = state.block_table
+        if chunk.token_source is not None:
+            token_sources[len(input_ids)] = chunk.token_source
         input_ids.extend(chunk.token_ids)
         positions.extend(range(start, end))
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
@@ -107,4 +118,5 @@ def build_model_input(chunks: list[ScheduledChunk], block_size: int) -> ModelInp
         metadata=metadata,
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
         sampled_chunks=[c for c in chunks if c.samples],
+        token_sources=token_sources,
     )

@@ -143,6 +143,7 @@ class ModelRunner:
         if self.kv_cache is None:
             raise RuntimeError("the KV cache is not initialised (InitCache first)")
         model_input = self._to_device(model_input)
+        self._fill_pending_tokens(model_input)
         if self.graphs is not None and self.graphs.can_run(model_input.metadata):
             hidden = self.graphs.run(model_input.input_ids, model_input.positions, model_input.metadata)
         else:
@@ -150,6 +151,22 @@ class ModelRunner:
         if not model_input.sampled_chunks:
             return None
         return self.model.compute_logits(hidden[model_input.logits_indices])
+
+    def _fill_pending_tokens(self, model_input: ModelInput) -> None:
+        """Decode tokens sampled by steps still in flight come from those steps' device outputs:
+        the copy is queued on the stream after them, so nothing waits on the host."""
+        if not model_input.token_sources:
+            return
+        groups: dict[int, tuple[object, list[int], list[int]]] = {}
+        for position, (step, row) in model_input.token_sources.items():
+            group = groups.setdefault(id(step), (step, [], []))
+            group[1].append(position)
+            group[2].append(row)
+        for step, positions, rows in groups.values():
+            source = step.device_token_ids  # type: ignore[attr-defined]
+            index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            target = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
+            model_input.input_ids[target] = source[index]
 
     def _to_device(self, model_input: ModelInput) -> ModelInput:
         if self.device.type == "cpu":

@@ -16,6 +16,9 @@ class WorkerSequence:
     num_prompt_tokens: int
     sampling: worker_pb2.SamplingParams
     last_token: int | None = None  # sampled by this worker, not computed yet
+    # While the step that sampled last_token has not been read back: (that step, its row). The next
+    # decode step takes the token from that step's device tensor, without waiting for it.
+    pending: tuple[Any, int] | None = None
     # Every token of the sequence, kept only when a penalty needs the history.
     token_ids: list[int] | None = None
     # The sampler's view of `sampling`, converted once on first use.

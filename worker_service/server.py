@@ -1,8 +1,9 @@
 """The worker's gRPC server: a thin servicer over WorkerCore, plus grpc.health.v1.
 
 Steps may arrive out of order (the scheduler sends step N+1 before step N returns, and separate
-calls on one channel are not ordered), so each Step waits for its turn by step_id. The model runs
-in a worker thread so that the next Step can be received and parsed while this one computes.
+calls on one channel are not ordered), so each Step waits for its turn by step_id. A step's turn
+ends once it is launched, not once it is done: step N+1 is prepared and queued on the GPU while
+step N computes, and each reply waits for its own step's tokens.
 """
 from __future__ import annotations
 
@@ -46,13 +47,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"step_id: expected {self._next_step_id}, got {request.step_id}")
             try:
-                reply = await asyncio.to_thread(self.core.step, request)
+                pending = await asyncio.to_thread(self.core.launch, request)
             except ValueError as error:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
             finally:
+                # The next step may launch now, while this one runs on the GPU.
                 self._next_step_id = request.step_id + 1
                 self._turn.notify_all()
-            return reply
+        return await asyncio.to_thread(pending.result)
 
     async def Release(self, request, context):  # noqa: N802
         async with self._turn:

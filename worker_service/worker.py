@@ -1,15 +1,100 @@
 """The worker's engine-facing core: Describe, InitCache, Step and Release over protobuf messages.
-The gRPC servicer and the in-process offline engine both call this."""
+The gRPC servicer and the in-process offline engine both call this.
+
+A step is launched (host bookkeeping, inputs copied, GPU work queued) and read back later, so that
+the next step can be launched while this one runs on the GPU: a decode token sampled by a step not
+yet read back is taken from that step's device output.
+"""
 from __future__ import annotations
 
+import threading
 import time
+
+import torch
 
 from common.config import WorkerConfig
 from common.generated.nanovllm.worker.v1 import worker_pb2
-from worker_service.batch import apply_step, build_model_input
+from worker_service.batch import ScheduledChunk, apply_step, build_model_input
 from worker_service.model_runner import ModelRunner
 from worker_service.sampler import SamplerOutput
 from worker_service.sequence_state import WorkerSequence
+
+
+class PendingStep:
+    """A launched step whose sampled tokens are still on the device (or being copied back)."""
+
+    def __init__(self, core: WorkerCore, step_id: int, chunks: list[ScheduledChunk],
+                 output: SamplerOutput | None, previous: PendingStep | None, started: float) -> None:
+        self.core = core
+        self.step_id = step_id
+        self.chunks = chunks
+        self.started = started
+        self.previous = previous
+        self.device_token_ids = output.token_ids if output is not None else None
+        self._host = _copy_to_host(output) if output is not None else None
+        self._event = None
+        if output is not None and output.token_ids.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._response: worker_pb2.StepResponse | None = None
+
+    def result(self) -> worker_pb2.StepResponse:
+        """Waits for the step's tokens and records them; steps resolve in launch order."""
+        if self._response is not None:
+            return self._response
+        if self.previous is not None:
+            self.previous.result()
+            self.previous = None
+        if self._event is not None:
+            self._event.synchronize()
+        with self.core.lock:
+            if self._response is None:
+                self._response = self._build_response()
+        return self._response
+
+    def _build_response(self) -> worker_pb2.StepResponse:
+        response = worker_pb2.StepResponse(step_id=self.step_id)
+        if self._host is not None:
+            _record_samples(self, self._host, response)
+        self._host = None
+        response.worker_time_us = int((time.perf_counter() - self.started) * 1e6)
+        return response
+
+
+def _copy_to_host(output: SamplerOutput) -> SamplerOutput:
+    """Non-blocking copies of the sampler's outputs into pinned host memory."""
+    def copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        if tensor is None:
+            return None
+        if not tensor.is_cuda:
+            return tensor
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return host.copy_(tensor, non_blocking=True)
+
+    return SamplerOutput(copy(output.token_ids), copy(output.logprobs), copy(output.top_token_ids),
+                         copy(output.top_logprobs))
+
+
+def _record_samples(step: PendingStep, output: SamplerOutput, response: worker_pb2.StepResponse) -> None:
+    token_ids = output.token_ids.tolist()
+    logprobs = output.logprobs.tolist() if output.logprobs is not None else None
+    top_ids = output.top_token_ids.tolist() if output.top_token_ids is not None else None
+    top_values = output.top_logprobs.tolist() if output.top_logprobs is not None else None
+    for row, chunk in enumerate(c for c in step.chunks if c.samples):
+        state = chunk.state
+        token_id = token_ids[row]
+        if state.pending is not None and state.pending[0] is step:
+            state.pending = None
+            state.last_token = token_id
+        if state.token_ids is not None:
+            state.token_ids.append(token_id)
+        sampled = response.tokens.add(seq_id=state.seq_id, token_id=token_id)
+        if state.sampling.return_logprobs and logprobs is not None:
+            sampled.logprob = logprobs[row]
+            num_top = state.sampling.num_top_logprobs
+            if num_top and top_ids is not None and top_values is not None:
+                for token, value in zip(top_ids[row][:num_top], top_values[row][:num_top], strict=True):
+                    sampled.top_logprobs.add(token_id=token, logprob=value)
 
 
 class WorkerCore:
@@ -18,7 +103,9 @@ class WorkerCore:
         self.runner = ModelRunner(config)
         self.runner.available_kv_blocks()  # profiles GPU memory now, so that Describe answers at once
         self.seq_id_to_state: dict[int, WorkerSequence] = {}
+        self.lock = threading.Lock()  # launch and read-back may run on different threads
         self._last_step_id = 0
+        self._last_launched: PendingStep | None = None
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -45,50 +132,55 @@ class WorkerCore:
         available = self.runner.num_kv_blocks or self.runner.available_kv_blocks()
         if not 1 <= request.num_kv_blocks <= available:
             raise ValueError(f"num_kv_blocks: must be in [1, {available}], got {request.num_kv_blocks}")
+        if self._last_launched is not None:
+            self._last_launched.result()
         self.seq_id_to_state.clear()
         self._last_step_id = 0
+        self._last_launched = None
         return worker_pb2.InitCacheResponse(num_kv_blocks=self.runner.init_cache(request.num_kv_blocks))
 
     def release(self, request: worker_pb2.ReleaseRequest) -> worker_pb2.ReleaseResponse:
-        for seq_id in request.seq_ids:
-            self.seq_id_to_state.pop(seq_id, None)
+        with self.lock:
+            for seq_id in request.seq_ids:
+                self.seq_id_to_state.pop(seq_id, None)
         return worker_pb2.ReleaseResponse()
 
     def step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
+        """Runs one step to completion."""
+        return self.launch(request).result()
+
+    @torch.inference_mode()
+    def launch(self, request: worker_pb2.StepRequest) -> PendingStep:
+        """Queues one step's work; its tokens are read back by PendingStep.result()."""
         started = time.perf_counter()
-        if request.step_id != self._last_step_id + 1:
-            raise ValueError(f"step_id: expected {self._last_step_id + 1}, got {request.step_id}")
-        self._last_step_id = request.step_id
-        chunks = apply_step(request, self.seq_id_to_state)
-        response = worker_pb2.StepResponse(step_id=request.step_id)
-        if chunks:
-            model_input = build_model_input(chunks, self.config.block_size)
-            output = self.runner.run(model_input)
+        with self.lock:
+            if request.step_id != self._last_step_id + 1:
+                raise ValueError(f"step_id: expected {self._last_step_id + 1}, got {request.step_id}")
+            self._last_step_id = request.step_id
+            chunks = apply_step(request, self.seq_id_to_state)
+        self._resolve_history_sources(chunks)
+        output = None
+        with self.lock:
+            if chunks:
+                model_input = build_model_input(chunks, self.config.block_size)
+                output = self.runner.run(model_input)
+            pending = PendingStep(self, request.step_id, chunks, output, self._last_launched, started)
+            row = 0
             for chunk in chunks:
-                chunk.state.num_computed_tokens += len(chunk.token_ids)
-                chunk.state.last_token = None
-            if output is not None:
-                self._record_samples(model_input.sampled_chunks, output, response)
-        response.worker_time_us = int((time.perf_counter() - started) * 1e6)
-        return response
+                state = chunk.state
+                state.num_computed_tokens += len(chunk.token_ids)
+                state.last_token = None
+                state.pending = None
+                if chunk.samples:
+                    state.num_tokens += 1
+                    state.pending = (pending, row)
+                    row += 1
+        self._last_launched = pending
+        return pending
 
     @staticmethod
-    def _record_samples(chunks, output: SamplerOutput, response: worker_pb2.StepResponse) -> None:
-        token_ids = output.token_ids.tolist()  # the one host sync of the step
-        logprobs = output.logprobs.tolist() if output.logprobs is not None else None
-        top_ids = output.top_token_ids.tolist() if output.top_token_ids is not None else None
-        top_values = output.top_logprobs.tolist() if output.top_logprobs is not None else None
-        for row, chunk in enumerate(chunks):
-            state = chunk.state
-            token_id = token_ids[row]
-            state.last_token = token_id
-            state.num_tokens += 1
-            if state.token_ids is not None:
-                state.token_ids.append(token_id)
-            sampled = response.tokens.add(seq_id=state.seq_id, token_id=token_id)
-            if state.sampling.return_logprobs and logprobs is not None:
-                sampled.logprob = logprobs[row]
-                num_top = state.sampling.num_top_logprobs
-                if num_top and top_ids is not None:
-                    for token, value in zip(top_ids[row][:num_top], top_values[row][:num_top], strict=True):
-                        sampled.top_logprobs.add(token_id=token, logprob=value)
+    def _resolve_history_sources(chunks: list[ScheduledChunk]) -> None:
+        """A penalty needs the previous token's value on the host: wait for the step that sampled it."""
+        for chunk in chunks:
+            if chunk.token_source is not None and chunk.state.token_ids is not None:
+                chunk.token_source[0].result()
