@@ -18,6 +18,10 @@ class SchedulerConfig:
     max_model_len: int = 0
     enable_prefix_caching: bool = True
     max_queue_size: int = 4096
+    # Decode iterations per step when only decodes run: the per-step host work (scheduling, the
+    # Step message, input building) is paid once per this many tokens; streams get that many
+    # tokens per delta. 1 turns it off.
+    num_decode_steps: int = 4
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
@@ -25,6 +29,8 @@ class SchedulerConfig:
                  f"must be >= 1, got {self.max_num_batched_tokens}")
         _require(self.max_model_len >= 0, "max_model_len", f"must be >= 0, got {self.max_model_len}")
         _require(self.max_queue_size >= 1, "max_queue_size", f"must be >= 1, got {self.max_queue_size}")
+        _require(1 <= self.num_decode_steps <= 64, "num_decode_steps",
+                 f"must be in [1, 64], got {self.num_decode_steps}")
 
 
 @dataclass(frozen=True)

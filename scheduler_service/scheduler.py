@@ -16,13 +16,17 @@ from scheduler_service.block_manager import BlockManager
 from scheduler_service.sequence import FinishReason, Sequence, SequenceStatus
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ScheduledSequence:
     seq: Sequence
     num_tokens: int  # tokens to compute this step, starting at start_position
     start_position: int
     is_new_on_worker: bool
-    samples: bool  # the chunk reaches the sequence's end, so the step samples a token for it
+    num_samples: int  # tokens the step samples for it: 0 mid-prompt, 1, or num_decode_steps
+
+    @property
+    def samples(self) -> bool:
+        return self.num_samples > 0
 
 
 @dataclass
@@ -30,6 +34,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     released_seq_ids: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Decode iterations the worker runs in this step (> 1 only for a step of decodes alone).
+    num_decode_steps: int = 1
 
     @property
     def num_batched_tokens(self) -> int:
@@ -63,20 +69,37 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> SchedulerOutput:
-        output = SchedulerOutput()
+        output = SchedulerOutput(num_decode_steps=self._num_decode_steps())
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(output, budget)
-        if not output.preempted:
+        if not output.preempted and output.num_decode_steps == 1:
             self._schedule_waiting(output, budget)
         output.released_seq_ids = self._to_release
         self._to_release = []
         return output
+
+    def _num_decode_steps(self) -> int:
+        """Several decode iterations per step amortise the per-step host work over more tokens. Only
+        when nothing waits for admission, every running sequence is decoding, and none needs its
+        tokens on the host between iterations (penalties); never past max_model_len."""
+        steps = self.config.num_decode_steps
+        if steps == 1 or not self.running or (self.waiting and len(self.running) < self.config.max_num_seqs):
+            return 1
+        if len(self.running) * steps > self.config.max_num_batched_tokens:
+            return 1
+        for seq in self.running:
+            if seq.num_uncomputed_tokens != 1 or seq.sampling_params.needs_token_history:
+                return 1
+            steps = min(steps, self.max_model_len - seq.num_computed_tokens)
+        return max(steps, 1)
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_tokens = min(self._num_tokens_to_compute(seq), budget)
+            if num_tokens == 1:
+                num_tokens = output.num_decode_steps
             if num_tokens == 0:
                 index += 1
                 continue
@@ -118,12 +141,14 @@ class Scheduler:
         return seq.num_uncomputed_tokens
 
     def _mark_scheduled(self, seq: Sequence, num_tokens: int) -> ScheduledSequence:
+        """Counts the tokens as computed; those the step samples are pending until it returns. A
+        decode of n iterations computes the last token and n - 1 it samples itself, and samples n."""
         start = seq.num_computed_tokens
+        total = seq.num_scheduled_tokens_total
         seq.num_computed_tokens += num_tokens
-        samples = seq.num_computed_tokens == seq.num_scheduled_tokens_total
-        if samples:
-            seq.num_pending_tokens += 1
-        return ScheduledSequence(seq, num_tokens, start, not seq.is_on_worker, samples)
+        num_samples = seq.num_computed_tokens - total + 1 if seq.num_computed_tokens >= total else 0
+        seq.num_pending_tokens += num_samples
+        return ScheduledSequence(seq, num_tokens, start, not seq.is_on_worker, num_samples)
 
     def _preempt(self, seq: Sequence, output: SchedulerOutput) -> None:
         self.running.remove(seq)

@@ -6,7 +6,8 @@ from scheduler_service.scheduler import ScheduledSequence, SchedulerOutput
 
 
 def build_step_request(step_id: int, output: SchedulerOutput) -> worker_pb2.StepRequest:
-    request = worker_pb2.StepRequest(step_id=step_id, released_seq_ids=output.released_seq_ids)
+    request = worker_pb2.StepRequest(step_id=step_id, released_seq_ids=output.released_seq_ids,
+                                     num_decode_steps=output.num_decode_steps)
     for item in output.scheduled:
         if item.is_new_on_worker:
             request.new_sequences.append(_new_sequence(item))

@@ -97,3 +97,16 @@ def test_block_size_256_equals_transformers(case) -> None:
     llm = LLM(str(path), block_size=256, num_kv_blocks=4)
     assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
     assert llm.engine.block_manager.num_free_blocks == 4
+
+
+def test_single_iteration_decode_steps_equal_transformers(case) -> None:
+    path, prompts, expected = case
+    llm = LLM(str(path), block_size=16, num_kv_blocks=128, num_decode_steps=1)
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+
+
+def test_eight_iteration_decode_steps_with_preemption_equal_transformers(case) -> None:
+    path, prompts, expected = case
+    llm = LLM(str(path), block_size=16, num_kv_blocks=16, num_decode_steps=8)
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    assert llm.engine.block_manager.num_free_blocks == 16

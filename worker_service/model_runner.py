@@ -8,8 +8,10 @@ import torch
 
 from common.config import WorkerConfig
 from worker_service.attention import default_backend_name, get_attention_backend
+from worker_service.attention.base import AttentionMetadata
 from worker_service.batch import ModelInput
 from worker_service.cuda_graphs import DecodeGraphs
+from worker_service.decode_plan import DecodePlan, stack_outputs
 from worker_service.memory_profile import profile_peak_memory
 from worker_service.model_loading import load_checkpoint
 from worker_service.sampler import Sampler, SamplerOutput, SamplingBatch
@@ -144,13 +146,38 @@ class ModelRunner:
             raise RuntimeError("the KV cache is not initialised (InitCache first)")
         model_input = self._to_device(model_input)
         self._fill_pending_tokens(model_input)
-        if self.graphs is not None and self.graphs.can_run(model_input.metadata):
-            hidden = self.graphs.run(model_input.input_ids, model_input.positions, model_input.metadata)
-        else:
-            hidden = self.model(model_input.input_ids, model_input.positions, model_input.metadata)
+        hidden = self._forward(model_input.input_ids, model_input.positions, model_input.metadata)
         if not model_input.sampled_chunks:
             return None
         return self.model.compute_logits(hidden[model_input.logits_indices])
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.can_run(metadata):
+            return self.graphs.run(input_ids, positions, metadata)
+        return self.model(input_ids, positions, metadata)
+
+    @torch.inference_mode()
+    def run_decode_steps(self, model_input: ModelInput, num_steps: int) -> SamplerOutput:
+        """num_steps decode iterations of a decode-only batch, each feeding the tokens the previous
+        one sampled, without the host in between. Outputs are [num_seqs, num_steps]."""
+        chunks = model_input.sampled_chunks
+        inputs = sampling_batch_inputs(chunks)
+        plan = DecodePlan.build(model_input, num_steps, self.config.block_size, self.device)
+        metadata = model_input.metadata
+        logits = self.forward_logits(model_input)
+        outputs: list[SamplerOutput] = []
+        any_seeded = any(p.seed is not None for p in inputs["params"])
+        for index in range(num_steps):
+            if index > 0:
+                plan.advance(metadata, index)
+                hidden = self._forward(outputs[-1].token_ids, plan.positions[index], metadata)
+                logits = self.model.compute_logits(hidden)
+            if index == 0 or any_seeded:
+                # Seeded rows draw from (seed, output index): the index moves every iteration.
+                step_inputs = dict(inputs, output_index=[i + index for i in inputs["output_index"]])
+                batch = SamplingBatch.build(**step_inputs, vocab_size=self.vocab_size, device=self.device)
+            outputs.append(self.sampler.sample(logits, batch))
+        return stack_outputs(outputs)
 
     def _fill_pending_tokens(self, model_input: ModelInput) -> None:
         """Decode tokens sampled by steps still in flight come from those steps' device outputs:

@@ -30,7 +30,10 @@ class PendingStep:
         self.chunks = chunks
         self.started = started
         self.previous = previous
-        self.device_token_ids = output.token_ids if output is not None else None
+        # The last token of each row: what the next decode step of that sequence computes.
+        self.device_token_ids = None
+        if output is not None:
+            self.device_token_ids = output.token_ids[:, -1] if output.token_ids.dim() == 2 else output.token_ids
         self._host = _copy_to_host(output) if output is not None else None
         self._event = None
         if output is not None and output.token_ids.is_cuda:
@@ -76,25 +79,30 @@ def _copy_to_host(output: SamplerOutput) -> SamplerOutput:
 
 
 def _record_samples(step: PendingStep, output: SamplerOutput, response: worker_pb2.StepResponse) -> None:
+    """One entry per sampled token; with several decode iterations, consecutive entries per row."""
+    multi = output.token_ids.dim() == 2
     token_ids = output.token_ids.tolist()
     logprobs = output.logprobs.tolist() if output.logprobs is not None else None
     top_ids = output.top_token_ids.tolist() if output.top_token_ids is not None else None
     top_values = output.top_logprobs.tolist() if output.top_logprobs is not None else None
     for row, chunk in enumerate(c for c in step.chunks if c.samples):
         state = chunk.state
-        token_id = token_ids[row]
+        row_tokens = token_ids[row] if multi else [token_ids[row]]
         if state.pending is not None and state.pending[0] is step:
             state.pending = None
-            state.last_token = token_id
+            state.last_token = row_tokens[-1]
         if state.token_ids is not None:
-            state.token_ids.append(token_id)
-        sampled = response.tokens.add(seq_id=state.seq_id, token_id=token_id)
-        if state.sampling.return_logprobs and logprobs is not None:
-            sampled.logprob = logprobs[row]
-            num_top = state.sampling.num_top_logprobs
-            if num_top and top_ids is not None and top_values is not None:
-                for token, value in zip(top_ids[row][:num_top], top_values[row][:num_top], strict=True):
-                    sampled.top_logprobs.add(token_id=token, logprob=value)
+            state.token_ids.extend(row_tokens)
+        for index, token_id in enumerate(row_tokens):
+            sampled = response.tokens.add(seq_id=state.seq_id, token_id=token_id)
+            if state.sampling.return_logprobs and logprobs is not None:
+                sampled.logprob = logprobs[row][index] if multi else logprobs[row]
+                num_top = state.sampling.num_top_logprobs
+                if num_top and top_ids is not None and top_values is not None:
+                    ids = top_ids[row][index] if multi else top_ids[row]
+                    values = top_values[row][index] if multi else top_values[row]
+                    for token, value in zip(ids[:num_top], values[:num_top], strict=True):
+                        sampled.top_logprobs.add(token_id=token, logprob=value)
 
 
 class WorkerCore:
@@ -159,20 +167,24 @@ class WorkerCore:
             self._last_step_id = request.step_id
             chunks = apply_step(request, self.seq_id_to_state)
         self._resolve_history_sources(chunks)
+        num_steps = max(request.num_decode_steps, 1)
         output = None
         with self.lock:
             if chunks:
                 model_input = build_model_input(chunks, self.config.block_size)
-                output = self.runner.run(model_input)
+                if num_steps > 1:
+                    output = self.runner.run_decode_steps(model_input, num_steps)
+                else:
+                    output = self.runner.run(model_input)
             pending = PendingStep(self, request.step_id, chunks, output, self._last_launched, started)
             row = 0
             for chunk in chunks:
                 state = chunk.state
-                state.num_computed_tokens += len(chunk.token_ids)
+                state.num_computed_tokens += len(chunk.token_ids) + num_steps - 1
                 state.last_token = None
                 state.pending = None
                 if chunk.samples:
-                    state.num_tokens += 1
+                    state.num_tokens += num_steps
                     state.pending = (pending, row)
                     row += 1
         self._last_launched = pending

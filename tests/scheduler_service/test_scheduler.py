@@ -11,9 +11,9 @@ BLOCK = 16
 
 
 def make(num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_tokens: int = 1024,
-         max_model_len: int = 4096, prefix_caching: bool = True) -> Scheduler:
+         max_model_len: int = 4096, prefix_caching: bool = True, num_decode_steps: int = 1) -> Scheduler:
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                             enable_prefix_caching=prefix_caching)
+                             enable_prefix_caching=prefix_caching, num_decode_steps=num_decode_steps)
     return Scheduler(config, BlockManager(num_blocks, BLOCK, prefix_caching), max_model_len)
 
 
@@ -27,7 +27,7 @@ def complete(scheduler: Scheduler, output: SchedulerOutput, token: int = 7) -> N
     """What the engine does with the worker's reply: sampled tokens appended, blocks registered."""
     for item in output.scheduled:
         item.seq.num_blocks_on_worker = len(item.seq.block_table)
-        if item.samples:
+        for _ in range(item.num_samples):
             item.seq.num_pending_tokens -= 1
             item.seq.append_token(token)
         scheduler.block_manager.register_computed_blocks(item.seq)
@@ -144,3 +144,44 @@ def test_lookahead_schedules_pending_decode() -> None:
     output = scheduler.schedule()  # decode of the pending token, before the reply
     assert planned(output) == [(seq.seq_id, 10, 1)]
     assert seq.num_pending_tokens == 2
+
+
+def test_decode_only_steps_run_several_iterations() -> None:
+    scheduler = make(num_decode_steps=4)
+    a, b = add(scheduler, 15), add(scheduler, 20, first_token=500)
+    output = scheduler.schedule()
+    assert output.num_decode_steps == 1  # prefills
+    complete(scheduler, output)
+    output = scheduler.schedule()
+    assert output.num_decode_steps == 4
+    assert planned(output) == [(a.seq_id, 15, 4), (b.seq_id, 20, 4)]
+    assert [item.num_samples for item in output.scheduled] == [4, 4]
+    assert a.block_table == [0, 3] and a.num_pending_tokens == 4  # b took 1, 2; slots up to position 18
+    complete(scheduler, output)
+    assert a.num_tokens == 20 and a.num_computed_tokens == 19
+
+
+def test_waiting_sequence_forces_single_iteration_steps() -> None:
+    scheduler = make(num_decode_steps=4)
+    add(scheduler, 10)
+    complete(scheduler, scheduler.schedule())
+    add(scheduler, 10, first_token=300)
+    output = scheduler.schedule()
+    assert output.num_decode_steps == 1 and len(output.scheduled) == 2
+
+
+def test_iterations_stop_at_max_model_len() -> None:
+    scheduler = make(num_decode_steps=8, max_model_len=20)
+    seq = add(scheduler, 17, max_tokens=100)
+    complete(scheduler, scheduler.schedule())
+    output = scheduler.schedule()
+    assert output.num_decode_steps == 3  # positions 17, 18, 19
+    assert seq.num_computed_tokens == 20
+
+
+def test_penalties_force_single_iteration_steps() -> None:
+    scheduler = make(num_decode_steps=4)
+    seq = Sequence([1, 2, 3], SamplingParams(max_tokens=50, repetition_penalty=1.2))
+    scheduler.add(seq)
+    complete(scheduler, scheduler.schedule())
+    assert scheduler.schedule().num_decode_steps == 1

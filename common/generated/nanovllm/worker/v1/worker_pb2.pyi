@@ -61,16 +61,18 @@ class RunningSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "new_sequences", "running_sequences", "released_seq_ids")
+    __slots__ = ("step_id", "new_sequences", "running_sequences", "released_seq_ids", "num_decode_steps")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     RUNNING_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     RELEASED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     running_sequences: _containers.RepeatedCompositeFieldContainer[RunningSequence]
     released_seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., running_sequences: _Optional[_Iterable[_Union[RunningSequence, _Mapping]]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_decode_steps: int
+    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., running_sequences: _Optional[_Iterable[_Union[RunningSequence, _Mapping]]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., num_decode_steps: _Optional[int] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
