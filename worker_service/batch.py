@@ -2,9 +2,11 @@
 attention metadata. Pure bookkeeping on the host; the runner moves the result to the device."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from common.generated.nanovllm.worker.v1 import worker_pb2
@@ -72,51 +74,53 @@ def _chunk(state: WorkerSequence, token_ids: list[int]) -> ScheduledChunk:
 
 
 def build_model_input(chunks: list[ScheduledChunk], block_size: int) -> ModelInput:
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    query_start = [0]
-    seq_lens: list[int] = []
-    logits_indices: list[int] = []
-    token_sources: dict[int, tuple[Any, int]] = {}
-    for chunk in chunks:
-        state = chunk.state
-        start = state.num_computed_tokens
-        end = start + len(chunk.token_ids)
-        if end > len(state.block_table) * block_size:
-            raise ValueError(f"sequence {state.seq_id}: {end} tokens exceed its "
-                             f"{len(state.block_table)} blocks of {block_size}")
-        table = state.block_table
-        if chunk.token_source is not None:
-            token_sources[len(input_ids)] = chunk.token_source
-        input_ids.extend(chunk.token_ids)
-        positions.extend(range(start, end))
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
-        query_start.append(query_start[-1] + end - start)
-        seq_lens.append(end)
-        if chunk.samples:
-            logits_indices.append(query_start[-1] - 1)
-    max_blocks = max(len(c.state.block_table) for c in chunks)
-    tables = torch.zeros((len(chunks), max_blocks), dtype=torch.int32)
+    """Vectorised over the batch: per-sequence Python work is limited to reading its counters and
+    copying its block table into one array."""
+    num_seqs = len(chunks)
+    query_lens = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=num_seqs)
+    starts = np.fromiter((c.state.num_computed_tokens for c in chunks), dtype=np.int64, count=num_seqs)
+    table_lens = np.fromiter((len(c.state.block_table) for c in chunks), dtype=np.int64, count=num_seqs)
+    ends = starts + query_lens
+    too_long = np.nonzero(ends > table_lens * block_size)[0]
+    if too_long.size:
+        state = chunks[too_long[0]].state
+        raise ValueError(f"sequence {state.seq_id}: {ends[too_long[0]]} tokens exceed its "
+                         f"{len(state.block_table)} blocks of {block_size}")
+    tables = np.zeros((num_seqs, int(table_lens.max())), dtype=np.int32)
     for row, chunk in enumerate(chunks):
-        tables[row, :len(chunk.state.block_table)] = torch.tensor(chunk.state.block_table, dtype=torch.int32)
-    query_lens = [b - a for a, b in zip(query_start, query_start[1:], strict=False)]
+        tables[row, :table_lens[row]] = chunk.state.block_table
+    query_start = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start[1:])
+    num_tokens = int(query_start[-1])
+    if num_tokens == num_seqs:  # decode only: one token per sequence
+        rows, positions = np.arange(num_seqs), starts
+        input_ids = np.fromiter((c.token_ids[0] for c in chunks), dtype=np.int64, count=num_seqs)
+    else:
+        rows = np.repeat(np.arange(num_seqs), query_lens)
+        positions = np.arange(num_tokens) - np.repeat(query_start[:-1] - starts, query_lens)
+        input_ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), dtype=np.int64,
+                                count=num_tokens)
+    slots = tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    samples = np.fromiter((c.samples for c in chunks), dtype=bool, count=num_seqs)
+    token_sources = {int(query_start[row]): chunk.token_source for row, chunk in enumerate(chunks)
+                     if chunk.token_source is not None}
+    seq_lens = ends.astype(np.int32)
     metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.tensor(query_start, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=tables,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
+        slot_mapping=torch.from_numpy(slots),
+        query_start_loc=torch.from_numpy(query_start.astype(np.int32)),
+        seq_lens=torch.from_numpy(seq_lens),
+        block_tables=torch.from_numpy(tables),
+        max_query_len=int(query_lens.max()),
+        max_seq_len=int(ends.max()),
         block_size=block_size,
-        query_lens_host=query_lens,
-        seq_lens_host=seq_lens,
+        query_lens_host=query_lens.tolist(),
+        seq_lens_host=seq_lens.tolist(),
     )
     return ModelInput(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64),
-        positions=torch.tensor(positions, dtype=torch.int64),
+        input_ids=torch.from_numpy(input_ids),
+        positions=torch.from_numpy(positions.astype(np.int64, copy=False)),
         metadata=metadata,
-        logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+        logits_indices=torch.from_numpy(query_start[1:][samples] - 1),
         sampled_chunks=[c for c in chunks if c.samples],
         token_sources=token_sources,
     )

@@ -186,14 +186,15 @@ class ModelRunner:
             return
         groups: dict[int, tuple[object, list[int], list[int]]] = {}
         for position, (step, row) in model_input.token_sources.items():
-            group = groups.setdefault(id(step), (step, [], []))
+            group = groups.get(id(step))
+            if group is None:
+                group = groups[id(step)] = (step, [], [])
             group[1].append(position)
             group[2].append(row)
         for step, positions, rows in groups.values():
             source = step.device_token_ids  # type: ignore[attr-defined]
-            index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-            target = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
-            model_input.input_ids[target] = source[index]
+            index = torch.tensor([rows, positions], dtype=torch.int64).to(self.device, non_blocking=True)
+            model_input.input_ids[index[1]] = source[index[0]]
 
     def _to_device(self, model_input: ModelInput) -> ModelInput:
         if self.device.type == "cpu":

@@ -18,14 +18,19 @@ def params_from_proto(message: worker_pb2.SamplingParams) -> SequenceSamplingPar
 
 def sampling_batch_inputs(chunks: list[ScheduledChunk]) -> dict[str, Any]:
     """Keyword arguments of SamplingBatch.build (but vocab_size and device) for the sampling chunks."""
-    params, prompts, outputs, indices = [], [], [], []
-    for chunk in chunks:
-        state = chunk.state
+    states = [chunk.state for chunk in chunks]
+    for state in states:
         if state.sampling_params is None:
             state.sampling_params = params_from_proto(state.sampling)
-        params.append(state.sampling_params)
+    indices = [state.num_tokens - state.num_prompt_tokens for state in states]
+    if all(state.token_ids is None for state in states):  # no penalties: no token lists at all
+        no_tokens: list[int] = []
+        return {"params": [s.sampling_params for s in states], "prompt_token_ids": [None] * len(states),
+                "output_token_ids": [no_tokens] * len(states), "output_index": indices}
+    prompts, outputs = [], []
+    for state in states:
         history = state.token_ids or []
         prompts.append(history[:state.num_prompt_tokens] if state.token_ids is not None else None)
         outputs.append(history[state.num_prompt_tokens:])
-        indices.append(state.num_output_tokens)
-    return {"params": params, "prompt_token_ids": prompts, "output_token_ids": outputs, "output_index": indices}
+    return {"params": [s.sampling_params for s in states], "prompt_token_ids": prompts,
+            "output_token_ids": outputs, "output_index": indices}
