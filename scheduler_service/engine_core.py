@@ -17,11 +17,11 @@ from scheduler_service.block_manager import BlockManager
 from scheduler_service.detokenizer import IncrementalDetokenizer
 from scheduler_service.errors import QueueFullError, RequestError
 from scheduler_service.scheduler import Scheduler, SchedulerOutput
-from scheduler_service.sequence import FinishReason, Sequence
+from scheduler_service.sequence import FinishReason, Sequence, SequenceStatus
 from scheduler_service.step_builder import build_step_request
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenUpdate:
     """What one step added to one sequence."""
 
@@ -144,17 +144,19 @@ class EngineCore:
         if response.step_id != step.step_id:
             raise RuntimeError(f"worker answered step {response.step_id} to step {step.step_id}")
         updates: list[TokenUpdate] = []
+        scheduled = step.scheduled
         for sampled in response.tokens:
-            seq, epoch = step.scheduled[sampled.seq_id]
-            if seq.is_finished or seq.num_preemptions != epoch:
+            seq, epoch = scheduled[sampled.seq_id]
+            if seq.status is SequenceStatus.FINISHED or seq.num_preemptions != epoch:
                 continue  # stopped or preempted while the step ran: the token is dropped
+            token_id = sampled.token_id
             seq.num_pending_tokens -= 1
-            seq.append_token(sampled.token_id)
-            update = TokenUpdate(seq, sampled.token_id)
-            if sampled.HasField("logprob"):
+            seq.token_ids.append(token_id)
+            update = TokenUpdate(seq, token_id)
+            if seq.sampling_params.logprobs and sampled.HasField("logprob"):
                 update.logprob = sampled.logprob
                 update.top_logprobs = [(t.token_id, t.logprob) for t in sampled.top_logprobs]
-            reason = self._stop_reason(seq, sampled.token_id)
+            reason = self._stop_reason(seq, token_id)
             if reason is not None:
                 self.finish(seq, reason)
                 update.finished = True
