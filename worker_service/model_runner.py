@@ -12,6 +12,7 @@ from worker_service.attention.base import AttentionMetadata
 from worker_service.batch import ModelInput
 from worker_service.cuda_graphs import DecodeGraphs
 from worker_service.decode_plan import DecodePlan, stack_outputs
+from worker_service.layers import fused_kernels
 from worker_service.memory_profile import profile_peak_memory
 from worker_service.model_loading import load_checkpoint
 from worker_service.sampler import Sampler, SamplerOutput, SamplingBatch
@@ -54,6 +55,8 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            fused_kernels.enable()
         backend_name = config.attention_backend
         if backend_name == "auto":
             backend_name = default_backend_name(self.device)

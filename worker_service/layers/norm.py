@@ -7,6 +7,24 @@ import torch
 from torch import nn
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x_float = x.float()
+    variance = x_float.pow(2).mean(-1, keepdim=True)
+    # Round back to the input dtype before the weight multiply, the order HF uses.
+    return weight * (x_float * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    # The add happens in the activation dtype, like HF's `residual + hidden_states`.
+    x = x + residual
+    return rms_norm(x, weight, eps), x
+
+
+# The implementations the layers call; fused_kernels.enable() swaps in compiled ones on GPUs.
+KERNELS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm}
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last dimension, computed in float32 as Hugging Face does.
 
@@ -21,10 +39,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        x_float = x.float()
-        variance = x_float.pow(2).mean(-1, keepdim=True)
-        # Round back to the input dtype before the weight multiply, the order HF uses.
-        return self.weight * (x_float * torch.rsqrt(variance + self.eps)).to(x.dtype)
+        return KERNELS["rms_norm"](x, self.weight, self.eps)
 
     @overload
     def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
@@ -37,9 +52,7 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             return self._norm(x)
-        # The add happens in the activation dtype, like HF's `residual + hidden_states`.
-        x = x + residual
-        return self._norm(x), x
+        return KERNELS["add_rms_norm"](x, residual, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

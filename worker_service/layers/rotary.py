@@ -92,12 +92,21 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [num_tokens]; q [num_tokens, num_heads, head_dim], k [num_tokens, num_kv_heads, head_dim]."""
-        cos = self.cos[positions].unsqueeze(-2)
-        sin = self.sin[positions].unsqueeze(-2)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return KERNELS["rotary"](positions, q, k, self.cos, self.sin)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_positions={self.max_positions}, kind={self.kind}"
+
+
+def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor,
+                 sin_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cos = cos_table[positions].unsqueeze(-2)
+    sin = sin_table[positions].unsqueeze(-2)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+# The implementation the layer calls; fused_kernels.enable() swaps in a compiled one on GPUs.
+KERNELS = {"rotary": apply_rotary}
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
