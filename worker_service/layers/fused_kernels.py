@@ -20,6 +20,9 @@ def enable() -> None:
     global _enabled
     if _enabled:
         return
+    # One compiled graph per call site shape family (hidden [n, d] and per-head [n, h, d] norms,
+    # each model's constants): raise dynamo's default limit of 8 so that none falls back to eager.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compile_ = lambda fn: torch.compile(fn, dynamic=True, fullgraph=True)  # noqa: E731
     norm.KERNELS["rms_norm"] = compile_(norm.rms_norm)
     norm.KERNELS["add_rms_norm"] = compile_(norm.add_rms_norm)
