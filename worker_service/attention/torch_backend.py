@@ -29,6 +29,8 @@ class TorchAttentionBackend(AttentionBackend):
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
                scale: float) -> torch.Tensor:
         query_lens, seq_lens = _host_lengths(metadata)
+        if metadata.max_query_len == 1 and q.shape[0] == len(seq_lens):
+            return _batched_decode(q, k_cache, v_cache, metadata, seq_lens, scale)
         out = torch.empty_like(q)
         start = 0
         for seq_index, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
@@ -58,6 +60,29 @@ def _gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: t
     k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
     v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
     return k, v
+
+
+def _batched_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
+                    seq_lens: list[int], scale: float) -> torch.Tensor:
+    """One query token per sequence, all sequences at once over their contexts padded to the
+    longest: a few large operations instead of a few small ones per sequence."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[-2]
+    max_len = max(seq_lens)
+    num_blocks = -(-max_len // metadata.block_size)
+    blocks = metadata.block_tables[:, :num_blocks].long()
+    k = k_cache[blocks].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].float()
+    v = v_cache[blocks].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].float()
+    is_padding = torch.arange(max_len, device=q.device)[None, :] >= torch.tensor(seq_lens, device=q.device)[:, None]
+    # Padding slots may hold anything (even NaN on a GPU): zero them so 0 * NaN cannot appear.
+    v = v.masked_fill(is_padding[:, :, None, None], 0.0)
+    # GQA: query head h reads kv head h // group, so the heads split as [kv_head, group].
+    grouped = q.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("bkgd,blkd->bkgl", grouped, k) * scale
+    scores.masked_fill_(is_padding[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bkgl,blkd->bkgd", probs, v)
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
