@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.generated.nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
@@ -26,6 +28,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.core = core
         self._turn = asyncio.Condition()
         self._next_step_id = 1
+        # Model work always runs on this one thread: the CPU backend's intra-op thread team then
+        # stays warm (a new OpenMP team per pool thread would halve CPU throughput), and launches
+        # are never queued behind a thread waiting for a step's result.
+        num_threads = torch.get_num_threads()
+        self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="model",
+                                                initializer=lambda: torch.set_num_threads(num_threads))
+
+    async def _on_model_thread(self, function, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._model_thread, function, *args)
 
     async def Describe(self, request, context):  # noqa: N802 (gRPC method names)
         return self.core.describe(request)
@@ -33,7 +44,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def InitCache(self, request, context):  # noqa: N802
         async with self._turn:
             try:
-                reply = await asyncio.to_thread(self.core.init_cache, request)
+                reply = await self._on_model_thread(self.core.init_cache, request)
             except ValueError as error:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
             self._next_step_id = 1
@@ -47,7 +58,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"step_id: expected {self._next_step_id}, got {request.step_id}")
             try:
-                pending = await asyncio.to_thread(self.core.launch, request)
+                pending = await self._on_model_thread(self.core.launch, request)
             except ValueError as error:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
             finally:
