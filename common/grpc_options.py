@@ -23,13 +23,7 @@ def channel_options() -> list[tuple[str, int]]:
 
 
 def server_options() -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
+    return channel_options() + [
         # Accept client pings as often as every 10 s, even while no call is active.
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),

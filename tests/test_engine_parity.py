@@ -7,12 +7,10 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from common import SamplingParams
 from scheduler_service import LLM
-from tests.tiny_models import make_tiny_checkpoint
+from tests.tiny_models import hf_greedy_generate, make_tiny_checkpoint
 
 NUM_NEW_TOKENS = 64
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
@@ -36,15 +34,7 @@ def make_prompts(seed: int, vocab_size: int = 512) -> list[list[int]]:
 
 
 def hf_greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    results = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NUM_NEW_TOKENS,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)
-            results.append(out[0, len(prompt):].tolist())
-    return results
+    return hf_greedy_generate(path, prompts, NUM_NEW_TOKENS)
 
 
 @pytest.fixture(scope="module", params=list(MODELS))

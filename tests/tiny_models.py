@@ -110,3 +110,18 @@ def save_tiny_bpe_tokenizer(folder: Path, vocab_size: int = 512) -> Path:
     config = {"eos_token": "<|end|>", "chat_template": TINY_CHAT_TEMPLATE}
     (folder / "tokenizer_config.json").write_text(__import__("json").dumps(config))
     return folder
+
+
+def hf_greedy_generate(path: Path, prompts: list[list[int]], num_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (float32, CPU, EOS ignored)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    results = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_new_tokens,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+            results.append(out[0, len(prompt):].tolist())
+    return results

@@ -13,7 +13,7 @@ import torch
 from common import SamplingParams
 from common.config import WorkerConfig
 from common.generated.nanovllm.worker.v1 import worker_pb2
-from tests.tiny_models import make_tiny_checkpoint
+from tests.tiny_models import hf_greedy_generate, make_tiny_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -40,17 +40,7 @@ def prompts(vocab_size: int = 512) -> list[list[int]]:
 
 
 def hf_greedy(path: Path, batch: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    out = []
-    with torch.no_grad():
-        for prompt in batch:
-            ids = torch.tensor([prompt])
-            generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NUM_NEW_TOKENS,
-                                       do_sample=False, eos_token_id=None, pad_token_id=0)
-            out.append(generated[0, len(prompt):].tolist())
-    return out
+    return hf_greedy_generate(path, batch, NUM_NEW_TOKENS)
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
