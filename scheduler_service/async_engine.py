@@ -18,7 +18,6 @@ import grpc
 
 from common.config import SchedulerConfig
 from common.sampling_params import SamplingParams
-from scheduler_service.detokenizer import IncrementalDetokenizer
 from scheduler_service.engine_core import EngineCore, InFlightStep, TokenUpdate
 from scheduler_service.errors import EngineUnavailableError
 from scheduler_service.llm import worker_info_from
@@ -59,7 +58,6 @@ class ModelInfo:
 class _Request:
     seq: Sequence
     outputs: asyncio.Queue[RequestOutput]
-    detokenizer: IncrementalDetokenizer | None
 
 
 class AsyncEngine:
@@ -120,13 +118,17 @@ class AsyncEngine:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs. Stopping the iteration early aborts the request at once."""
-        seq = self._require_ready().add_request(prompt_token_ids, params)
-        request = _Request(seq, asyncio.Queue(), self._new_detokenizer(seq))
+        seq = self._require_ready().add_request(prompt_token_ids, params, self.tokenizer)
+        request = _Request(seq, asyncio.Queue())
         self._requests[seq.seq_id] = request
         self._wakeup.set()
         try:
             while True:
-                output = _merge([await request.outputs.get(), *_drain(request.outputs)])
+                items = [await request.outputs.get(), *_drain(request.outputs)]
+                failure = next((item for item in items if isinstance(item, Exception)), None)
+                if failure is not None:
+                    raise RuntimeError(f"the engine failed: {failure!r}") from failure
+                output = _merge(items)
                 yield output
                 if output.finished:
                     return
@@ -134,12 +136,6 @@ class AsyncEngine:
             if not seq.is_finished:
                 self._abort(seq)
             self._requests.pop(seq.seq_id, None)
-
-    def _new_detokenizer(self, seq: Sequence) -> IncrementalDetokenizer | None:
-        if self.tokenizer is None:
-            return None
-        params = seq.sampling_params
-        return IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop, params.include_stop_in_output)
 
     def _abort(self, seq: Sequence) -> None:
         if self.core is not None:
@@ -174,6 +170,12 @@ class AsyncEngine:
                 logger.warning("worker %s lost (%s); its requests will be recomputed once it is back",
                                self.worker.address, error)
                 self._on_worker_lost()
+                await asyncio.sleep(RECONNECT_DELAY_S)
+            except Exception as error:  # a bug: fail the requests in progress rather than hang them
+                logger.exception("engine loop failed; failing %d requests and starting over", len(self._requests))
+                self._fail_all(error)
+                self._on_worker_lost()
+                self._orphans = []
                 await asyncio.sleep(RECONNECT_DELAY_S)
 
     async def _connect(self) -> None:
@@ -234,25 +236,35 @@ class AsyncEngine:
             await self._wakeup.wait()
 
     def _dispatch(self, core: EngineCore, updates: list[TokenUpdate]) -> None:
+        """One delta per request per step (a step of several decode iterations brings several
+        tokens to each)."""
+        seq_id_to_updates: dict[int, list[TokenUpdate]] = {}
         for update in updates:
-            request = self._requests.get(update.seq.seq_id)
+            seq_id_to_updates.setdefault(update.seq.seq_id, []).append(update)
+        for seq_id, seq_updates in seq_id_to_updates.items():
+            request = self._requests.get(seq_id)
             if request is None:
                 continue
-            core.add_text(update, request.detokenizer)
-            if update.finished:
-                request.outputs.put_nowait(self._final_output(request, [update]))
+            if seq_updates[-1].finished:
+                request.outputs.put_nowait(self._final_output(request, seq_updates))
             else:
-                request.outputs.put_nowait(self._delta(request, [update], finished=False))
+                request.outputs.put_nowait(self._delta(request, seq_updates, finished=False))
+
+    def _fail_all(self, error: Exception) -> None:
+        """Ends every request in progress with an error (their streams get INTERNAL)."""
+        for request in list(self._requests.values()):
+            request.outputs.put_nowait(error)  # type: ignore[arg-type]
 
     def _final_output(self, request: _Request, updates: list[TokenUpdate]) -> RequestOutput:
-        if request.detokenizer is not None:
-            request.detokenizer.finish()
+        if request.seq.detokenizer is not None:
+            request.seq.detokenizer.finish()
         return self._delta(request, updates, finished=True)
 
     @staticmethod
     def _delta(request: _Request, updates: list[TokenUpdate], finished: bool) -> RequestOutput:
         seq = request.seq
-        text = request.detokenizer.take_delta(finished) if request.detokenizer is not None else ""
+        detokenizer = request.seq.detokenizer
+        text = detokenizer.take_delta(finished) if detokenizer is not None else ""
         return RequestOutput(
             text=text,
             token_ids=[u.token_id for u in updates],

@@ -14,7 +14,7 @@ from common.config import SchedulerConfig, WorkerInfo
 from common.generated.nanovllm.worker.v1 import worker_pb2
 from common.sampling_params import SamplingParams
 from scheduler_service.block_manager import BlockManager
-from scheduler_service.detokenizer import IncrementalDetokenizer
+from scheduler_service.detokenizer import IncrementalDetokenizer, TokenDecoder
 from scheduler_service.errors import QueueFullError, RequestError
 from scheduler_service.scheduler import Scheduler, SchedulerOutput
 from scheduler_service.sequence import FinishReason, Sequence, SequenceStatus
@@ -84,11 +84,16 @@ class EngineCore:
         if num_prompt + 1 > capacity:
             raise RequestError(f"prompt: {num_prompt} tokens do not fit in the KV cache ({capacity} tokens)")
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    tokenizer: TokenDecoder | None = None) -> Sequence:
+        """Queues a request; with a tokenizer its text is decoded as tokens arrive (seq.detokenizer)."""
         self.validate(prompt_token_ids, params)
         if self.scheduler.num_unfinished >= self.config.max_queue_size:
             raise QueueFullError(f"queue: full ({self.config.max_queue_size} requests)")
         seq = Sequence(list(prompt_token_ids), params)
+        if tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids, params.stop,
+                                                     params.include_stop_in_output)
         self.seq_id_to_seq[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -156,7 +161,7 @@ class EngineCore:
             if seq.sampling_params.logprobs and sampled.HasField("logprob"):
                 update.logprob = sampled.logprob
                 update.top_logprobs = [(t.token_id, t.logprob) for t in sampled.top_logprobs]
-            reason = self._stop_reason(seq, token_id)
+            reason = self._add_text(seq, token_id, self._stop_reason(seq, token_id))
             if reason is not None:
                 self.finish(seq, reason)
                 update.finished = True
@@ -166,18 +171,18 @@ class EngineCore:
                 self.block_manager.register_computed_blocks(seq)
         return updates
 
-    def add_text(self, update: TokenUpdate, detokenizer: IncrementalDetokenizer | None) -> None:
-        """Adds the token's text to the request's output; a completed stop string finishes it."""
-        seq = update.seq
+    def _add_text(self, seq: Sequence, token_id: int, reason: FinishReason | None) -> FinishReason | None:
+        """Adds the token's text; a completed stop string finishes the sequence right here, so
+        that no later token of the same step is appended after it."""
+        detokenizer = seq.detokenizer
         if detokenizer is None:
-            return
-        params = seq.sampling_params
-        if update.finished and seq.finish_reason is FinishReason.STOP and not params.include_stop_in_output:
-            return  # the EOS or stop token itself adds no text
-        if detokenizer.add_token(update.token_id) is not None and not update.finished:
-            self.finish(seq, FinishReason.STOP_SEQUENCE)
+            return reason
+        if reason is FinishReason.STOP and not seq.sampling_params.include_stop_in_output:
+            return reason  # the EOS or stop token itself adds no text
+        if detokenizer.add_token(token_id) is not None and reason is not FinishReason.STOP:
             seq.matched_stop = detokenizer.matched_stop
-            update.finished = True
+            return FinishReason.STOP_SEQUENCE
+        return reason
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         params = seq.sampling_params

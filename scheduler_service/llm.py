@@ -11,7 +11,6 @@ from tqdm.auto import tqdm
 from common.config import SchedulerConfig, WorkerConfig, WorkerInfo, split_options
 from common.generated.nanovllm.worker.v1 import worker_pb2
 from common.sampling_params import SamplingParams
-from scheduler_service.detokenizer import IncrementalDetokenizer
 from scheduler_service.engine_core import EngineCore
 from scheduler_service.sequence import Sequence
 from scheduler_service.tokenizer import eos_token_ids, load_tokenizer
@@ -66,18 +65,12 @@ class LLM:
         token_lists = [self.encode(p) for p in prompts]
         for tokens, params in zip(token_lists, params_list, strict=True):
             self.engine.validate(tokens, params)
-        sequences = [self.engine.add_request(t, p) for t, p in zip(token_lists, params_list, strict=True)]
-        detokenizers = {seq.seq_id: self._detokenizer(seq) for seq in sequences}
-        self._run(len(sequences), detokenizers, use_tqdm)
-        return [self._result(seq, detokenizers.get(seq.seq_id)) for seq in sequences]
+        sequences = [self.engine.add_request(t, p, self.tokenizer)
+                     for t, p in zip(token_lists, params_list, strict=True)]
+        self._run(len(sequences), use_tqdm)
+        return [self._result(seq) for seq in sequences]
 
-    def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer | None:
-        if self.tokenizer is None:
-            return None
-        params = seq.sampling_params
-        return IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop, params.include_stop_in_output)
-
-    def _run(self, num_requests: int, detokenizers: dict, use_tqdm: bool) -> None:
+    def _run(self, num_requests: int, use_tqdm: bool) -> None:
         bar = tqdm(total=num_requests, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_tps = decode_tps = 0.0
         in_flight = None  # (the step, the worker's handle on it): one step of lookahead
@@ -102,18 +95,15 @@ class LLM:
                 prefill_tps = num_prefill / elapsed
             if num_decode:
                 decode_tps = num_decode / elapsed
-            for update in updates:
-                self.engine.add_text(update, detokenizers.get(update.seq.seq_id))
-                if update.finished:
-                    bar.update(1)
+            bar.update(sum(1 for update in updates if update.finished))
             bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s")
         bar.close()
 
-    def _result(self, seq: Sequence, detokenizer: IncrementalDetokenizer | None) -> dict[str, Any]:
+    def _result(self, seq: Sequence) -> dict[str, Any]:
         text = ""
-        if detokenizer is not None:
-            detokenizer.finish()
-            text = detokenizer.text
+        if seq.detokenizer is not None:
+            seq.detokenizer.finish()
+            text = seq.detokenizer.text
         token_ids = seq.output_token_ids
         return {"text": text, "token_ids": token_ids, "finish_reason": seq.finish_reason.name.lower()}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import Any
 
 from common.sampling_params import SamplingParams
 
@@ -53,6 +54,8 @@ class Sequence:
     # Tokens being sampled by steps in flight, not yet in token_ids (0 or 1 with one step of
     # lookahead). The worker knows them; the scheduler learns them from the step's reply.
     num_pending_tokens: int = 0
+    # Turns output tokens into text and watches for stop strings (None: token ids only).
+    detokenizer: Any = None
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

@@ -208,3 +208,28 @@ def test_sigterm_drains_then_exits(slow_model: Path, slow_worker) -> None:
     finally:
         client.close()
         stop(scheduler)
+
+
+def test_stop_string_split_across_tokens_over_grpc(services: GenerationClient, offline: list[dict],
+                                                   small_model: Path) -> None:
+    """A stop string taken from the middle of a known output, spanning a token boundary: the
+    stream ends right before it, and no delta ever carried any of it."""
+    from scheduler_service.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(str(small_model))
+    expected = offline[0]
+    pieces = [tokenizer.decode(expected["token_ids"][:n]) for n in range(len(expected["token_ids"]) + 1)]
+    # The text of tokens 4..5 plus the first character of token 6: it crosses two token boundaries.
+    start, end = len(pieces[4]), len(pieces[6]) + 1
+    stop = expected["text"][start:end]
+    assert len(stop) >= 2 and "\ufffd" not in stop
+    first = expected["text"].index(stop)
+    deltas = list(services.stream(PROMPTS[0], temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=[stop]))
+    text = "".join(d.text for d in deltas)
+    assert text == expected["text"][:first]
+    assert deltas[-1].finish_reason == "stop_sequence" and deltas[-1].matched_stop == stop
+    streamed = ""
+    for delta in deltas:
+        streamed += delta.text
+        assert stop not in streamed and not any(streamed.endswith(stop[:n]) for n in range(1, len(stop))) \
+            or delta is deltas[-1]

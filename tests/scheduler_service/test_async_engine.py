@@ -1,0 +1,163 @@
+"""The asynchronous engine loop against a scripted worker (no torch): streaming, one step of
+lookahead, multi-iteration decode, a failing worker reply, and recovery from a lost worker."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from common.config import SchedulerConfig
+from common.generated.nanovllm.worker.v1 import worker_pb2
+from common.sampling_params import SamplingParams
+from scheduler_service.async_engine import AsyncEngine
+from scheduler_service.sequence import FinishReason
+
+VOCAB = 100
+
+
+def next_token(history: list[int]) -> int:
+    """The scripted model: the next token is a function of the tokens so far."""
+    return (sum(history) * 31 + len(history)) % VOCAB
+
+
+class ScriptedWorker:
+    """Speaks the Step protocol like a worker, sampling next_token(history)."""
+
+    address = "scripted"
+
+    def __init__(self, num_kv_blocks: int = 64) -> None:
+        self.num_kv_blocks = num_kv_blocks
+        self.histories: dict[int, list[int]] = {}
+        self.fail_step_ids: set[int] = set()
+        self.lose_connection_at_step: int | None = None
+        self.last_step_id = 0
+        self.num_steps = 0
+
+    async def describe(self) -> worker_pb2.DescribeResponse:
+        return worker_pb2.DescribeResponse(model_name="scripted", block_size=16, max_model_len=512, vocab_size=VOCAB,
+                                           num_kv_blocks=self.num_kv_blocks, eos_token_ids=[])
+
+    async def init_cache(self, num_kv_blocks: int) -> worker_pb2.InitCacheResponse:
+        self.histories.clear()
+        self.last_step_id = 0
+        return worker_pb2.InitCacheResponse(num_kv_blocks=num_kv_blocks)
+
+    async def step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
+        await asyncio.sleep(0)
+        self.num_steps += 1
+        if self.lose_connection_at_step == request.step_id:
+            self.lose_connection_at_step = None
+            raise ConnectionError("worker went away")
+        assert request.step_id == self.last_step_id + 1
+        self.last_step_id = request.step_id
+        for seq_id in request.released_seq_ids:
+            self.histories.pop(seq_id, None)
+        reply_id = request.step_id
+        if request.step_id in self.fail_step_ids:  # once: the engine starts over from step 1
+            self.fail_step_ids.discard(request.step_id)
+            reply_id += 1000
+        response = worker_pb2.StepResponse(step_id=reply_id)
+        for new in request.new_sequences:
+            history = self.histories[new.seq_id] = [0] * new.num_computed_tokens + list(new.token_ids)
+            if len(history) == new.num_tokens:
+                self._sample(new.seq_id, history, 1, response)
+        for running in request.running_sequences:
+            history = self.histories[running.seq_id]
+            history.extend(running.token_ids)
+            self._sample(running.seq_id, history, max(request.num_decode_steps, 1), response)
+        return response
+
+    def _sample(self, seq_id: int, history: list[int], count: int, response: worker_pb2.StepResponse) -> None:
+        for _ in range(count):
+            token = next_token(history)
+            history.append(token)
+            response.tokens.add(seq_id=seq_id, token_id=token)
+
+    async def release(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self.histories.pop(seq_id, None)
+
+    async def close(self) -> None:
+        pass
+
+
+def expected_tokens(prompt: list[int], count: int) -> list[int]:
+    history = list(prompt)
+    for _ in range(count):
+        history.append(next_token(history))
+    return history[len(prompt):]
+
+
+async def collect(engine: AsyncEngine, prompt: list[int], max_tokens: int) -> tuple[list[int], FinishReason | None]:
+    tokens, reason = [], None
+    async for output in engine.generate(prompt, SamplingParams(max_tokens=max_tokens)):
+        tokens += output.token_ids
+        reason = output.finish_reason
+    return tokens, reason
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=30))  # a hang fails the test instead of the suite
+
+
+@pytest.mark.parametrize("num_decode_steps", [1, 4])
+def test_concurrent_requests_stream_the_scripted_tokens(num_decode_steps: int) -> None:
+    async def scenario() -> None:
+        worker = ScriptedWorker()
+        engine = await AsyncEngine.start(SchedulerConfig(num_decode_steps=num_decode_steps), worker, None)
+        await engine.wait_ready(5)
+        prompts = [[i, i + 1, i + 2] for i in range(8)]
+        results = await asyncio.gather(*(collect(engine, p, 20 + i) for i, p in enumerate(prompts)))
+        for i, (prompt, (tokens, reason)) in enumerate(zip(prompts, results, strict=True)):
+            assert tokens == expected_tokens(prompt, 20 + i)
+            assert reason is FinishReason.LENGTH
+        assert engine.num_free_blocks == engine.num_total_blocks
+        await engine.shutdown(0)
+
+    run(scenario())
+
+
+def test_a_bad_worker_reply_fails_the_requests_instead_of_hanging() -> None:
+    async def scenario() -> None:
+        worker = ScriptedWorker()
+        worker.fail_step_ids = {3}
+        engine = await AsyncEngine.start(SchedulerConfig(), worker, None)
+        await engine.wait_ready(5)
+        with pytest.raises(RuntimeError, match="the engine failed"):
+            await collect(engine, [1, 2, 3], 50)
+        # The engine starts over and serves the next request.
+        await engine.wait_ready(5)
+        tokens, _ = await collect(engine, [4, 5], 10)
+        assert tokens == expected_tokens([4, 5], 10)
+        await engine.shutdown(0)
+
+    run(scenario())
+
+
+def test_a_lost_worker_loses_no_request() -> None:
+    async def scenario() -> None:
+        worker = ScriptedWorker()
+        worker.lose_connection_at_step = 4
+        engine = await AsyncEngine.start(SchedulerConfig(), worker, None)
+        await engine.wait_ready(5)
+        tokens, reason = await collect(engine, [7, 8, 9], 30)
+        assert tokens == expected_tokens([7, 8, 9], 30) and reason is FinishReason.LENGTH
+        await engine.shutdown(0)
+
+    run(scenario())
+
+
+def test_abandoned_stream_frees_its_blocks() -> None:
+    async def scenario() -> None:
+        engine = await AsyncEngine.start(SchedulerConfig(), ScriptedWorker(), None)
+        await engine.wait_ready(5)
+        stream = engine.generate([1, 2, 3], SamplingParams(max_tokens=200))
+        await stream.__anext__()
+        assert engine.num_free_blocks < engine.num_total_blocks
+        await stream.aclose()
+        assert engine.num_free_blocks == engine.num_total_blocks and engine.num_unfinished == 0
+        await engine.shutdown(0)
+
+    run(scenario())
+
+
