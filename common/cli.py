@@ -32,6 +32,8 @@ def add_scheduler_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tokenizer", help="tokenizer folder or .gguf (default: the worker's model path)")
     group.add_argument("--max-queue-size", type=int, default=4096)
     group.add_argument("--no-prefix-caching", action="store_true")
+    group.add_argument("--num-decode-steps", type=int, default=4,
+                       help="decode iterations per step when only decodes run (tokens per stream message)")
     group.add_argument("--shutdown-grace", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM")
 
@@ -56,7 +58,8 @@ def scheduler_config_from(args: argparse.Namespace):
     from common.config import SchedulerConfig
 
     return SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                           max_queue_size=args.max_queue_size, enable_prefix_caching=not args.no_prefix_caching)
+                           max_queue_size=args.max_queue_size, enable_prefix_caching=not args.no_prefix_caching,
+                           num_decode_steps=args.num_decode_steps)
 
 
 def check_health(target: str, timeout: float) -> int:
@@ -105,6 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return _run(args)
+    except ValueError as error:  # a bad option value: say which, without a traceback
+        print(f"nanovllm {args.command}: {error}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "worker":
         from worker_service.main import run_worker
 

@@ -21,11 +21,12 @@ logger = logging.getLogger(__name__)
 
 async def run_scheduler_async(args: argparse.Namespace, tokenizer_path: str | None,
                               stop: asyncio.Event | None = None) -> None:
+    config = scheduler_config_from(args)  # bad options fail here, before waiting for a worker
     worker = GrpcWorkerClient(args.worker)
     if tokenizer_path is None:
         tokenizer_path = await _worker_model_path(worker)
     tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_path)
-    engine = await AsyncEngine.start(scheduler_config_from(args), worker, tokenizer,
+    engine = await AsyncEngine.start(config, worker, tokenizer,
                                      eos_token_ids(tokenizer_path, tokenizer))
     server = build_public_server(engine, args.host, args.port)
     await server.start()
