@@ -92,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     scheduler = commands.add_parser("scheduler", help="serve the public API, driving running workers")
     add_scheduler_options(scheduler)
     add_batch_options(scheduler)
-    scheduler.add_argument("--worker", required=True, help="worker address host:port (or unix:/path)")
+    scheduler.add_argument("--worker", required=True,
+                           help="worker address host:port (or unix:/path); several, comma-separated, for data "
+                                "parallelism (each its own KV block pool)")
 
     health = commands.add_parser("health", help="exit 0 if the server at --target reports SERVING")
     health.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORT}")

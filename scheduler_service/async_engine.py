@@ -1,31 +1,29 @@
-"""The asynchronous engine loop of the scheduler service.
+"""The scheduler service's engine: requests in, token deltas out, over one worker lane per worker.
 
-One task drives the workers: it keeps one step in flight ahead (step N+1 is on the wire before step
-N's tokens return), feeds sampled tokens to per-request queues, detokenizes incrementally, and
-applies stop strings. Requests enter through generate(), an async iterator of RequestOutput; if
-the caller stops iterating (client cancelled, deadline passed) the sequence is aborted at once:
-its blocks return to the pool and the worker is told to release it.
+Requests enter through generate(), an async iterator of RequestOutput; each new request goes to the
+ready lane with the fewest unfinished requests (data parallelism: one block pool per lane). If the
+caller stops iterating (client cancelled, deadline passed) the sequence is aborted at once: its
+blocks return to the pool and the worker is told to release it.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-
 from common.config import SchedulerConfig
 from common.sampling_params import SamplingParams
-from scheduler_service.engine_core import EngineCore, InFlightStep, TokenUpdate
+from scheduler_service.engine_core import EngineCore, TokenUpdate
 from scheduler_service.errors import EngineUnavailableError
-from scheduler_service.llm import worker_info_from
 from scheduler_service.sequence import FinishReason, Sequence
 from scheduler_service.worker_client import WorkerClient
+from scheduler_service.worker_lane import ModelInfo, WorkerLane
 
 logger = logging.getLogger(__name__)
-RECONNECT_DELAY_S = 1.0
+__all__ = ["AsyncEngine", "ModelInfo", "RequestOutput"]
 
 
 @dataclass
@@ -44,84 +42,96 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    model_name: str
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    block_size: int
-    num_kv_blocks: int
-
-
 @dataclass
 class _Request:
     seq: Sequence
+    lane: WorkerLane
     outputs: asyncio.Queue[RequestOutput]
 
 
 class AsyncEngine:
-    """Created with `await AsyncEngine.start(config, worker, tokenizer)`; stopped with
-    `await engine.shutdown(grace_seconds)`. Reconnects to a lost worker by itself: requests in
-    progress are recomputed from the tokens the scheduler holds, so none is lost."""
+    """Created with `await AsyncEngine.start(config, worker_or_workers, tokenizer)`; stopped with
+    `await engine.shutdown(grace_seconds)`."""
 
-    def __init__(self, config: SchedulerConfig, worker: WorkerClient, tokenizer: Any | None,
-                 eos_token_ids: set[int] | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, workers: WorkerClient | SequenceABC[WorkerClient],
+                 tokenizer: Any | None, eos_token_ids: set[int] | None = None) -> None:
         self.config = config
-        self.worker = worker
         self.tokenizer = tokenizer
-        self.extra_eos_token_ids = set(eos_token_ids or ())
-        self.core: EngineCore | None = None
-        self.model_info: ModelInfo | None = None
-        self._requests: dict[int, _Request] = {}
-        self._orphans: list[Sequence] = []  # unfinished while no worker is connected
-        self._wakeup = asyncio.Event()
+        workers = [workers] if not isinstance(workers, SequenceABC) else list(workers)
+        if not workers:
+            raise ValueError("worker: at least one worker address is needed")
         self._ready = asyncio.Event()
+        self.lanes = [WorkerLane(config, worker, set(eos_token_ids or ()), self._dispatch, self._fail_lane,
+                                 self._ready.set) for worker in workers]
+        self._requests: dict[int, _Request] = {}
         self._draining = False
-        self._task: asyncio.Task[None] | None = None
 
     @classmethod
-    async def start(cls, config: SchedulerConfig, worker: WorkerClient, tokenizer: Any | None,
-                    eos_token_ids: set[int] | None = None) -> AsyncEngine:
-        engine = cls(config, worker, tokenizer, eos_token_ids)
-        engine._task = asyncio.create_task(engine._run(), name="engine-loop")
+    async def start(cls, config: SchedulerConfig, workers: WorkerClient | SequenceABC[WorkerClient],
+                    tokenizer: Any | None, eos_token_ids: set[int] | None = None) -> AsyncEngine:
+        engine = cls(config, workers, tokenizer, eos_token_ids)
+        for lane in engine.lanes:
+            lane.start()
         return engine
 
     async def wait_ready(self, timeout: float | None = None) -> None:
-        await asyncio.wait_for(self._ready.wait(), timeout)
+        """Returns once some lane has a connected worker."""
+        async def until_ready() -> None:
+            while not self.ready_lanes:
+                self._ready.clear()  # lanes set it whenever one (re)connects
+                await self._ready.wait()
+
+        await asyncio.wait_for(until_ready(), timeout)
+
+    @property
+    def ready_lanes(self) -> list[WorkerLane]:
+        return [lane for lane in self.lanes if lane.is_ready]
 
     @property
     def is_ready(self) -> bool:
-        return self.core is not None and not self._draining
+        return bool(self.ready_lanes) and not self._draining
+
+    @property
+    def model_info(self) -> ModelInfo | None:
+        lanes = self.ready_lanes or self.lanes
+        return next((lane.model_info for lane in lanes if lane.model_info is not None), None)
+
+    @property
+    def core(self) -> EngineCore | None:
+        """The first ready lane's engine core (one lane: the engine core)."""
+        lanes = self.ready_lanes
+        return lanes[0].core if lanes else None
 
     @property
     def num_free_blocks(self) -> int:
-        return self.core.block_manager.num_free_blocks if self.core else 0
+        return sum(lane.core.block_manager.num_free_blocks for lane in self.ready_lanes)  # type: ignore[union-attr]
 
     @property
     def num_total_blocks(self) -> int:
-        return self.core.block_manager.num_blocks if self.core else 0
+        return sum(lane.core.block_manager.num_blocks for lane in self.ready_lanes)  # type: ignore[union-attr]
 
     @property
     def num_unfinished(self) -> int:
         return len(self._requests)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self._require_ready().validate(prompt_token_ids, params)
+        self._pick_lane().core.validate(prompt_token_ids, params)  # type: ignore[union-attr]
 
-    def _require_ready(self) -> EngineCore:
+    def _pick_lane(self) -> WorkerLane:
         if self._draining:
             raise EngineUnavailableError("the service is shutting down")
-        if self.core is None:
+        lanes = self.ready_lanes
+        if not lanes:
             raise EngineUnavailableError("no worker is ready")
-        return self.core
+        return min(lanes, key=lambda lane: lane.num_unfinished)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs. Stopping the iteration early aborts the request at once."""
-        seq = self._require_ready().add_request(prompt_token_ids, params, self.tokenizer)
-        request = _Request(seq, asyncio.Queue())
+        lane = self._pick_lane()
+        seq = lane.core.add_request(prompt_token_ids, params, self.tokenizer)  # type: ignore[union-attr]
+        request = _Request(seq, lane, asyncio.Queue())
         self._requests[seq.seq_id] = request
-        self._wakeup.set()
+        lane.wakeup.set()
         try:
             while True:
                 items = [await request.outputs.get(), *_drain(request.outputs)]
@@ -134,16 +144,8 @@ class AsyncEngine:
                     return
         finally:
             if not seq.is_finished:
-                self._abort(seq)
+                lane.abort(seq)
             self._requests.pop(seq.seq_id, None)
-
-    def _abort(self, seq: Sequence) -> None:
-        if self.core is not None:
-            self.core.abort(seq)
-        else:
-            seq.status = type(seq.status).FINISHED
-            seq.finish_reason = FinishReason.ABORTED
-        self._wakeup.set()  # so that the worker is told to release it even when idle
 
     async def shutdown(self, grace_s: float = 30.0) -> None:
         """Refuses new requests, lets running ones finish for up to grace_s, aborts the rest."""
@@ -152,88 +154,11 @@ class AsyncEngine:
         while self._requests and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
         for request in list(self._requests.values()):
-            self._abort(request.seq)
+            request.lane.abort(request.seq)
             request.outputs.put_nowait(self._final_output(request, []))
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        await self.worker.close()
+        await asyncio.gather(*(lane.close() for lane in self.lanes))
 
-    # The loop.
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self._connect()
-                await self._drive()
-            except (grpc.aio.AioRpcError, ConnectionError, OSError) as error:
-                logger.warning("worker %s lost (%s); its requests will be recomputed once it is back",
-                               self.worker.address, error)
-                self._on_worker_lost()
-                await asyncio.sleep(RECONNECT_DELAY_S)
-            except Exception as error:  # a bug: fail the requests in progress rather than hang them
-                logger.exception("engine loop failed; failing %d requests and starting over", len(self._requests))
-                self._fail_all(error)
-                self._on_worker_lost()
-                self._orphans = []
-                await asyncio.sleep(RECONNECT_DELAY_S)
-
-    async def _connect(self) -> None:
-        while True:
-            try:
-                describe = await self.worker.describe()
-                break
-            except grpc.aio.AioRpcError as error:
-                logger.info("waiting for worker %s: %s", self.worker.address, error.code().name)
-                await asyncio.sleep(RECONNECT_DELAY_S)
-        reply = await self.worker.init_cache(describe.num_kv_blocks)
-        info = worker_info_from(describe, reply.num_kv_blocks)
-        eos = set(describe.eos_token_ids) | self.extra_eos_token_ids
-        core = EngineCore(self.config, info, eos)
-        core.adopt([seq for seq in self._orphans if not seq.is_finished])
-        self._orphans = []
-        self.model_info = ModelInfo(info.model_name, core.max_model_len, info.vocab_size, tuple(sorted(eos)),
-                                    info.block_size, info.num_kv_blocks)
-        self.core = core
-        self._ready.set()
-        logger.info("worker %s ready: %s, %d KV blocks of %d tokens, max_model_len %d", self.worker.address,
-                    info.model_name, info.num_kv_blocks, info.block_size, core.max_model_len)
-
-    def _on_worker_lost(self) -> None:
-        if self.core is not None:
-            self._orphans = self.core.take_unfinished()
-        self.core = None
-        self._ready.clear()
-
-    async def _drive(self) -> None:
-        core = self.core
-        assert core is not None
-        in_flight: tuple[InFlightStep, asyncio.Task] | None = None
-        while True:
-            if in_flight is None and not core.has_unfinished:
-                await self._idle(core)
-                continue
-            step = core.build_step()
-            task = asyncio.create_task(self.worker.step(step.request)) if step is not None else None
-            if in_flight is not None:
-                try:
-                    response = await in_flight[1]
-                except BaseException:
-                    if task is not None:
-                        task.cancel()
-                    raise
-                self._dispatch(core, core.process_step(in_flight[0], response))
-            elif step is None:
-                raise RuntimeError("requests are waiting but none can be scheduled")
-            in_flight = (step, task) if step is not None else None
-
-    async def _idle(self, core: EngineCore) -> None:
-        released = core.take_released_seq_ids()
-        if released:
-            await self.worker.release(released)
-        self._wakeup.clear()
-        if not core.has_unfinished and not core.scheduler._to_release:
-            await self._wakeup.wait()
+    # Outputs.
 
     def _dispatch(self, core: EngineCore, updates: list[TokenUpdate]) -> None:
         """One delta per request per step (a step of several decode iterations brings several
@@ -250,10 +175,11 @@ class AsyncEngine:
             else:
                 request.outputs.put_nowait(self._delta(request, seq_updates, finished=False))
 
-    def _fail_all(self, error: Exception) -> None:
-        """Ends every request in progress with an error (their streams get INTERNAL)."""
+    def _fail_lane(self, lane: WorkerLane, error: Exception) -> None:
+        """Ends every request of a failed lane with an error (their streams get INTERNAL)."""
         for request in list(self._requests.values()):
-            request.outputs.put_nowait(error)  # type: ignore[arg-type]
+            if request.lane is lane:
+                request.outputs.put_nowait(error)  # type: ignore[arg-type]
 
     def _final_output(self, request: _Request, updates: list[TokenUpdate]) -> RequestOutput:
         if request.seq.detokenizer is not None:
@@ -263,7 +189,7 @@ class AsyncEngine:
     @staticmethod
     def _delta(request: _Request, updates: list[TokenUpdate], finished: bool) -> RequestOutput:
         seq = request.seq
-        detokenizer = request.seq.detokenizer
+        detokenizer = seq.detokenizer
         text = detokenizer.take_delta(finished) if detokenizer is not None else ""
         return RequestOutput(
             text=text,

@@ -8,21 +8,15 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from common.config import SchedulerConfig, WorkerConfig, WorkerInfo, split_options
+from common.config import SchedulerConfig, WorkerConfig, split_options
 from common.generated.nanovllm.worker.v1 import worker_pb2
 from common.sampling_params import SamplingParams
 from scheduler_service.engine_core import EngineCore
 from scheduler_service.sequence import Sequence
 from scheduler_service.tokenizer import eos_token_ids, load_tokenizer
+from scheduler_service.worker_lane import worker_info_from
 
 Prompt = str | list[int]
-
-
-def worker_info_from(describe: worker_pb2.DescribeResponse, num_kv_blocks: int) -> WorkerInfo:
-    return WorkerInfo(model_name=describe.model_name, dtype=describe.dtype, block_size=describe.block_size,
-                      max_model_len=describe.max_model_len, vocab_size=describe.vocab_size,
-                      num_kv_blocks=num_kv_blocks, device=describe.device, max_num_seqs=describe.max_num_seqs,
-                      max_num_batched_tokens=describe.max_num_batched_tokens)
 
 
 class LLM:

@@ -22,11 +22,12 @@ logger = logging.getLogger(__name__)
 async def run_scheduler_async(args: argparse.Namespace, tokenizer_path: str | None,
                               stop: asyncio.Event | None = None) -> None:
     config = scheduler_config_from(args)  # bad options fail here, before waiting for a worker
-    worker = GrpcWorkerClient(args.worker)
+    # One lane per worker address: data parallelism, a block pool per worker.
+    workers = [GrpcWorkerClient(address.strip()) for address in args.worker.split(",") if address.strip()]
     if tokenizer_path is None:
-        tokenizer_path = await _worker_model_path(worker)
+        tokenizer_path = await _worker_model_path(workers[0])
     tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_path)
-    engine = await AsyncEngine.start(config, worker, tokenizer,
+    engine = await AsyncEngine.start(config, workers, tokenizer,
                                      eos_token_ids(tokenizer_path, tokenizer))
     server = build_public_server(engine, args.host, args.port)
     await server.start()

@@ -161,3 +161,23 @@ def test_abandoned_stream_frees_its_blocks() -> None:
     run(scenario())
 
 
+
+
+def test_data_parallel_lanes_share_the_requests() -> None:
+    async def scenario() -> None:
+        workers = [ScriptedWorker(num_kv_blocks=32), ScriptedWorker(num_kv_blocks=48)]
+        workers[1].lose_connection_at_step = 3  # one lane reconnects mid-way; its requests carry on
+        engine = await AsyncEngine.start(SchedulerConfig(), workers, None)
+        await engine.wait_ready(5)
+        while len(engine.ready_lanes) < 2:
+            await engine.wait_ready(5)
+            await asyncio.sleep(0)
+        assert engine.num_total_blocks == 80
+        prompts = [[i, 2 * i, 3 * i] for i in range(1, 9)]
+        results = await asyncio.gather(*(collect(engine, p, 25) for p in prompts))
+        assert [tokens for tokens, _ in results] == [expected_tokens(p, 25) for p in prompts]
+        assert all(worker.num_steps > 0 for worker in workers)
+        assert engine.num_free_blocks == engine.num_total_blocks
+        await engine.shutdown(0)
+
+    run(scenario())
