@@ -233,3 +233,27 @@ def test_stop_string_split_across_tokens_over_grpc(services: GenerationClient, o
         streamed += delta.text
         assert stop not in streamed and not any(streamed.endswith(stop[:n]) for n in range(1, len(stop))) \
             or delta is deltas[-1]
+
+
+def test_logprobs_over_grpc_equal_transformers(services: GenerationClient, small_model: Path) -> None:
+    """Greedy tokens with their log-probabilities and top-3 alternatives, against the log-softmax
+    of transformers' logits on the same tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from scheduler_service.tokenizer import load_tokenizer
+
+    result = services.generate(PROMPTS[1], temperature=0, max_tokens=12, ignore_eos=True, logprobs=True,
+                               top_logprobs=3)
+    prompt = load_tokenizer(str(small_model)).encode(PROMPTS[1])
+    model = AutoModelForCausalLM.from_pretrained(small_model, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + result.token_ids])).logits[0, len(prompt) - 1:-1]
+    reference = torch.log_softmax(logits, dim=-1)
+    assert len(result.logprobs) == len(result.token_ids) == 12
+    for position, entry in enumerate(result.logprobs):
+        assert entry.token_id == result.token_ids[position]
+        assert entry.logprob == pytest.approx(reference[position, entry.token_id].item(), abs=1e-4)
+        top = reference[position].topk(3)
+        assert [token for token, _ in entry.top_logprobs] == top.indices.tolist()
+        assert [value for _, value in entry.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-4)
