@@ -45,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--num-decode-steps", type=int, default=4, help="decode iterations per step")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--run-mode", help=argparse.SUPPRESS)  # internal: one mode in this process
     parser.add_argument("--json-out", help="write all results as JSON here")
@@ -68,7 +69,7 @@ def workload(args: argparse.Namespace, limit: int | None = None) -> tuple[list[l
 def engine_options(args: argparse.Namespace) -> dict:
     return dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                enforce_eager=args.enforce_eager, device=args.device)
+                enforce_eager=args.enforce_eager, device=args.device, num_decode_steps=args.num_decode_steps)
 
 
 # Modes, each run in its own process.
@@ -114,11 +115,14 @@ def run_grpc(args: argparse.Namespace, model: str) -> dict:
     python = [sys.executable, "-m", "common.cli", "--log-level", "WARNING"]
     worker_flags = ["--model", model, "--port", str(worker_port), "--max-model-len", str(args.max_model_len),
                     "--block-size", str(args.block_size), "--device", args.device,
+                    "--max-num-seqs", str(args.max_num_seqs),
+                    "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                     *(["--enforce-eager"] if args.enforce_eager else [])]
     worker = subprocess.Popen([*python, "worker", *worker_flags], cwd=REPO_ROOT)
     scheduler = subprocess.Popen([*python, "scheduler", "--worker", f"127.0.0.1:{worker_port}", "--port", str(port),
                                   "--max-num-seqs", str(args.max_num_seqs),
-                                  "--max-num-batched-tokens", str(args.max_num_batched_tokens)], cwd=REPO_ROOT)
+                                  "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                                  "--num-decode-steps", str(args.num_decode_steps)], cwd=REPO_ROOT)
     try:
         return asyncio.run(_grpc_client(args, f"127.0.0.1:{port}"))
     finally:
