@@ -74,8 +74,10 @@ def _batched_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     k = k_cache[blocks].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].float()
     v = v_cache[blocks].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].float()
     is_padding = torch.arange(max_len, device=q.device)[None, :] >= torch.tensor(seq_lens, device=q.device)[:, None]
-    # Padding slots may hold anything (even NaN on a GPU): zero them so 0 * NaN cannot appear.
-    v = v.masked_fill(is_padding[:, :, None, None], 0.0)
+    if v.is_cuda:
+        # A GPU cache starts uninitialised: padding slots may hold NaN, and 0 * NaN is NaN. (The
+        # CPU cache starts zeroed and only ever holds real K/V.)
+        v = v.masked_fill(is_padding[:, :, None, None], 0.0)
     # GQA: query head h reads kv head h // group, so the heads split as [kv_head, group].
     grouped = q.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scores = torch.einsum("bkgd,blkd->bkgl", grouped, k) * scale
