@@ -112,8 +112,7 @@ class EngineCore:
 
     def take_released_seq_ids(self) -> list[int]:
         """Ids the worker should forget now (used when no step is coming to carry them)."""
-        ids, self.scheduler._to_release = self.scheduler._to_release, []
-        return ids
+        return self.scheduler.take_released_seq_ids()
 
     def take_unfinished(self) -> list[Sequence]:
         """Removes every unfinished sequence, reset to be recomputed from its tokens (the worker

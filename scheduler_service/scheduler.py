@@ -65,6 +65,15 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    @property
+    def has_released_seq_ids(self) -> bool:
+        return bool(self._to_release)
+
+    def take_released_seq_ids(self) -> list[int]:
+        """Ids the worker must forget; each is handed out once."""
+        ids, self._to_release = self._to_release, []
+        return ids
+
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
@@ -74,8 +83,7 @@ class Scheduler:
         budget = self._schedule_running(output, budget)
         if not output.preempted and output.num_decode_steps == 1:
             self._schedule_waiting(output, budget)
-        output.released_seq_ids = self._to_release
-        self._to_release = []
+        output.released_seq_ids = self.take_released_seq_ids()
         return output
 
     def _num_decode_steps(self) -> int:

@@ -153,5 +153,5 @@ class WorkerLane:
         if released:
             await self.worker.release(released)
         self.wakeup.clear()
-        if not core.has_unfinished and not core.scheduler._to_release:
+        if not core.has_unfinished and not core.scheduler.has_released_seq_ids:
             await self.wakeup.wait()
