@@ -7,6 +7,7 @@ calls them back to back.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -42,6 +43,8 @@ class InFlightStep:
     # that a token for a sequence preempted since is recognised and dropped.
     scheduled: dict[int, tuple[Sequence, int]]
 
+logger = logging.getLogger(__name__)
+
 
 def _clamped_to_worker(config: SchedulerConfig, worker: WorkerInfo) -> SchedulerConfig:
     """The scheduler never plans a step larger than the worker is sized for."""
@@ -58,7 +61,13 @@ class EngineCore:
         config = _clamped_to_worker(config, worker_info)
         self.config = config
         self.worker_info = worker_info
-        self.max_model_len = min(config.max_model_len or worker_info.max_model_len, worker_info.max_model_len)
+        max_model_len = min(config.max_model_len or worker_info.max_model_len, worker_info.max_model_len)
+        # A sequence must fit in the whole pool when it runs alone, or it could never finish.
+        capacity = worker_info.num_kv_blocks * worker_info.block_size
+        if capacity < max_model_len:
+            logger.warning("the KV cache holds %d tokens, fewer than max_model_len %d: sequences are capped at %d",
+                           capacity, max_model_len, capacity)
+        self.max_model_len = min(max_model_len, capacity)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_manager = BlockManager(worker_info.num_kv_blocks, worker_info.block_size,
                                           config.enable_prefix_caching)

@@ -77,3 +77,12 @@ def test_prompt_too_long_raises_naming_the_prompt(model: Path) -> None:
     with pytest.raises(ValueError, match="^prompt: 64 tokens, the limit is 63"):
         llm.generate([[1] * 64], SamplingParams(), use_tqdm=False)
     assert llm.engine.block_manager.num_free_blocks == 64
+
+
+def test_sequence_longer_than_the_kv_pool_stops_at_its_capacity(model: Path) -> None:
+    llm = LLM(str(model), block_size=16, num_kv_blocks=4)  # 64 tokens in all
+    assert llm.engine.max_model_len == 64
+    result = llm.generate([list(range(10))], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+                          use_tqdm=False)[0]
+    assert result["finish_reason"] == "length" and len(result["token_ids"]) == 54
+    assert llm.engine.block_manager.num_free_blocks == 4
