@@ -89,11 +89,6 @@ class SamplingParams:
         """Penalties look at earlier tokens, so the worker needs each token on the host."""
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
-    @property
-    def needs_prompt_tokens_on_worker(self) -> bool:
-        """The repetition penalty looks at prompt tokens, which the worker may not have computed."""
-        return self.repetition_penalty != 1.0
-
 
 def _as_tuple(value: object, name: str) -> tuple:
     if isinstance(value, str):

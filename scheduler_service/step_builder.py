@@ -38,7 +38,7 @@ def _new_sequence(item: ScheduledSequence) -> worker_pb2.NewSequence:
         block_table=seq.block_table,
         sampling=params.to_proto(),
     )
-    if params.needs_prompt_tokens_on_worker and item.start_position:
+    if params.needs_token_history and item.start_position:
         message.cached_token_ids.extend(seq.token_ids[:item.start_position])
     return message
 

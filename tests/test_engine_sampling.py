@@ -86,3 +86,16 @@ def test_sequence_longer_than_the_kv_pool_stops_at_its_capacity(model: Path) -> 
                           use_tqdm=False)[0]
     assert result["finish_reason"] == "length" and len(result["token_ids"]) == 54
     assert llm.engine.block_manager.num_free_blocks == 4
+
+
+@pytest.mark.parametrize("penalty", [{"frequency_penalty": 0.5}, {"presence_penalty": 0.7},
+                                     {"repetition_penalty": 1.3}])
+def test_penalised_request_with_a_prefix_hit_equals_the_cold_one(model: Path, penalty: dict) -> None:
+    """The worker needs every earlier token for a penalty, the cached prefix included."""
+    llm = LLM(str(model), block_size=16, num_kv_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **penalty)
+    cold = llm.generate([list(range(40))], params, use_tqdm=False)[0]["token_ids"]
+    hits_before = llm.engine.block_manager.num_prefix_hit_tokens
+    warm = llm.generate([list(range(40))], params, use_tqdm=False)[0]["token_ids"]
+    assert llm.engine.block_manager.num_prefix_hit_tokens - hits_before == 32
+    assert warm == cold
