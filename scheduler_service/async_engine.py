@@ -97,12 +97,6 @@ class AsyncEngine:
         return next((lane.model_info for lane in lanes if lane.model_info is not None), None)
 
     @property
-    def core(self) -> EngineCore | None:
-        """The first ready lane's engine core (one lane: the engine core)."""
-        lanes = self.ready_lanes
-        return lanes[0].core if lanes else None
-
-    @property
     def num_free_blocks(self) -> int:
         return sum(lane.core.block_manager.num_free_blocks for lane in self.ready_lanes)  # type: ignore[union-attr]
 

@@ -84,7 +84,8 @@ class LLM:
             elapsed = time.perf_counter() - started
             num_prefill = sum(len(s.token_ids) for s in done.request.new_sequences) + sum(
                 len(s.token_ids) for s in done.request.running_sequences)
-            num_decode = sum(1 for s in done.request.running_sequences if not s.token_ids)
+            num_decode = sum(1 for s in done.request.running_sequences if not s.token_ids) * max(
+                done.request.num_decode_steps, 1)
             if num_prefill:
                 prefill_tps = num_prefill / elapsed
             if num_decode:

@@ -39,7 +39,9 @@ def run_serve(args: argparse.Namespace) -> int:
         args.model = default_model_path()
     from common.cli import scheduler_config_from, worker_config_from
 
-    worker_config_from(args), scheduler_config_from(args)  # bad options fail before anything starts
+    # Bad options fail here, before anything starts.
+    worker_config_from(args)
+    scheduler_config_from(args)
     port = _free_port()
     args.worker = f"127.0.0.1:{port}"
     logger.info("starting a worker for %s on %s", args.model, args.worker)

@@ -14,6 +14,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
+from common.checkpoint import find_gguf_file
+
 logger = logging.getLogger(__name__)
 GGUF_CONTROL_TOKEN_TYPE = 3
 
@@ -71,16 +73,6 @@ def _compile_template(source: str) -> jinja2.Template:
 
 
 # Loading.
-
-def find_gguf_file(path: Path) -> Path | None:
-    """The GGUF file that path names, or the only one in the folder it names."""
-    if path.is_file() and path.suffix == ".gguf":
-        return path
-    if path.is_dir() and not (path / "config.json").exists():
-        candidates = sorted(path.glob("*.gguf"))
-        return candidates[0] if len(candidates) == 1 else None
-    return None
-
 
 def load_tokenizer(model: str) -> Tokenizer | None:
     """The checkpoint's tokenizer, or None when it ships none (a bare test checkpoint)."""

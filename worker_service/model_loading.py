@@ -6,21 +6,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from common.checkpoint import find_gguf_file
 from worker_service.attention.base import AttentionBackend
 from worker_service.loader.gguf_loader import gguf_model_config, iter_gguf_hf_tensors
 from worker_service.loader.safetensors_loader import build_empty_model, load_model, load_named_tensors
 from worker_service.model_config import ModelConfig
-
-
-def find_gguf_file(path: Path) -> Path | None:
-    """The GGUF file that path names, or the only one in the folder it names."""
-    if path.is_file() and path.suffix == ".gguf":
-        return path
-    if path.is_dir() and not (path / "config.json").exists():
-        candidates = sorted(path.glob("*.gguf"))
-        if len(candidates) == 1:
-            return candidates[0]
-    return None
 
 
 def load_checkpoint(model: str, dtype: torch.dtype, device: torch.device,

@@ -25,15 +25,14 @@ class PendingStep:
 
     def __init__(self, core: WorkerCore, step_id: int, chunks: list[ScheduledChunk],
                  output: SamplerOutput | None, previous: PendingStep | None, started: float) -> None:
+        """output: tensors of [num_seqs, num_iterations] (as_iterations for a single one)."""
         self.core = core
         self.step_id = step_id
         self.chunks = chunks
         self.started = started
         self.previous = previous
         # The last token of each row: what the next decode step of that sequence computes.
-        self.device_token_ids = None
-        if output is not None:
-            self.device_token_ids = output.token_ids[:, -1] if output.token_ids.dim() == 2 else output.token_ids
+        self.device_token_ids = output.token_ids[:, -1] if output is not None else None
         self._host = _copy_to_host(output) if output is not None else None
         self._event = None
         if output is not None and output.token_ids.is_cuda:
@@ -79,30 +78,37 @@ def _copy_to_host(output: SamplerOutput) -> SamplerOutput:
 
 
 def _record_samples(step: PendingStep, output: SamplerOutput, response: worker_pb2.StepResponse) -> None:
-    """One entry per sampled token; with several decode iterations, consecutive entries per row."""
-    multi = output.token_ids.dim() == 2
+    """One entry per sampled token: each row's iterations as consecutive entries."""
     token_ids = output.token_ids.tolist()
     logprobs = output.logprobs.tolist() if output.logprobs is not None else None
     top_ids = output.top_token_ids.tolist() if output.top_token_ids is not None else None
     top_values = output.top_logprobs.tolist() if output.top_logprobs is not None else None
     for row, chunk in enumerate(c for c in step.chunks if c.samples):
         state = chunk.state
-        row_tokens = token_ids[row] if multi else [token_ids[row]]
+        row_tokens = token_ids[row]
         if state.pending is not None and state.pending[0] is step:
             state.pending = None
             state.last_token = row_tokens[-1]
         if state.token_ids is not None:
             state.token_ids.extend(row_tokens)
+        num_top = state.sampling.num_top_logprobs
         for index, token_id in enumerate(row_tokens):
             sampled = response.tokens.add(seq_id=state.seq_id, token_id=token_id)
             if state.sampling.return_logprobs and logprobs is not None:
-                sampled.logprob = logprobs[row][index] if multi else logprobs[row]
-                num_top = state.sampling.num_top_logprobs
+                sampled.logprob = logprobs[row][index]
                 if num_top and top_ids is not None and top_values is not None:
-                    ids = top_ids[row][index] if multi else top_ids[row]
-                    values = top_values[row][index] if multi else top_values[row]
-                    for token, value in zip(ids[:num_top], values[:num_top], strict=True):
+                    for token, value in zip(top_ids[row][index][:num_top], top_values[row][index][:num_top],
+                                            strict=True):
                         sampled.top_logprobs.add(token_id=token, logprob=value)
+
+
+def as_iterations(output: SamplerOutput) -> SamplerOutput:
+    """A one-iteration output viewed as [num_seqs, 1] (no copy), the shape of multi-iteration ones."""
+    def view(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else tensor.unsqueeze(1)
+
+    return SamplerOutput(view(output.token_ids), view(output.logprobs), view(output.top_token_ids),
+                         view(output.top_logprobs))
 
 
 class WorkerCore:
@@ -175,7 +181,8 @@ class WorkerCore:
                 if num_steps > 1:
                     output = self.runner.run_decode_steps(model_input, num_steps)
                 else:
-                    output = self.runner.run(model_input)
+                    single = self.runner.run(model_input)
+                    output = as_iterations(single) if single is not None else None
             pending = PendingStep(self, request.step_id, chunks, output, self._last_launched, started)
             row = 0
             for chunk in chunks:

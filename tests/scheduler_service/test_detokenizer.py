@@ -69,8 +69,6 @@ def test_possible_stop_prefix_is_held_then_released(tokenizer: Tokenizer) -> Non
     for token_id in tokenizer.encode(TEXTS[1], add_special_tokens=False):
         assert detokenizer.add_token(token_id) is None
         released.append(detokenizer.take_delta(finished=False))
-        if "".join(released).endswith("The "):
-            assert detokenizer.text.startswith("The qu") or detokenizer.text == "The "
     # "quick brown " was held back while it could still become the stop string.
     held_at_some_point = any(d.startswith("quick brown ") for d in released)
     assert held_at_some_point
