@@ -2,12 +2,10 @@
 the scheduler either as a process or in this process (to read its block counts)."""
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -21,6 +19,7 @@ from scheduler_service.async_engine import AsyncEngine
 from scheduler_service.public_server import PublicServer, build_public_server
 from scheduler_service.tokenizer import eos_token_ids, load_tokenizer
 from scheduler_service.worker_client import GrpcWorkerClient
+from tests.loop_thread import LoopThread
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKER_OPTIONS = ["--block-size", "16", "--num-kv-blocks", "256", "--device", "cpu"]
@@ -76,16 +75,16 @@ class InProcessScheduler:
         self.model = model
         self.worker_port = worker_port
         self.config = config or SchedulerConfig()
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="scheduler")
+        self.loop_thread: LoopThread | None = None
         self.engine: AsyncEngine | None = None
         self.public: PublicServer | None = None
 
     def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 60.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        assert self.loop_thread is not None
+        return self.loop_thread.run(coro, timeout)
 
     def start(self) -> InProcessScheduler:
-        self.thread.start()
+        self.loop_thread = LoopThread("scheduler")
 
         async def build() -> None:
             tokenizer = load_tokenizer(str(self.model))
@@ -111,5 +110,5 @@ class InProcessScheduler:
             await self.public.stop(grace=None)
 
         self.run(shutdown())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
+        assert self.loop_thread is not None
+        self.loop_thread.close()

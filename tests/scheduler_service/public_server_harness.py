@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from scheduler_service.async_engine import ModelInfo, RequestOutput
 from scheduler_service.errors import EngineUnavailableError, QueueFullError, RequestError
 from scheduler_service.public_server import PublicServer, build_public_server
 from scheduler_service.sequence import FinishReason
+from tests.loop_thread import LoopThread
 
 WORDS = ["[UNK]", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>",
          "hello", "world", "the", "cat", "sat", "on", "a", "mat"]
@@ -106,15 +106,15 @@ class ServerThread:
 
     def __init__(self, engine: FakeEngine) -> None:
         self.engine = engine
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="public-server")
+        self.loop_thread: LoopThread | None = None
         self.public: PublicServer | None = None
 
     def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 10.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        assert self.loop_thread is not None
+        return self.loop_thread.run(coro, timeout)
 
     def start(self) -> ServerThread:
-        self.thread.start()
+        self.loop_thread = LoopThread("public-server")
 
         async def build_and_start() -> PublicServer:
             public = build_public_server(self.engine, "127.0.0.1", 0, readiness_poll_s=0.02)
@@ -132,6 +132,5 @@ class ServerThread:
     def stop(self) -> None:
         if self.public is not None:
             self.run(self.public.stop(grace=None))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
-        self.loop.close()
+        if self.loop_thread is not None:
+            self.loop_thread.close()
