@@ -38,10 +38,6 @@ class SchedulerOutput:
     num_decode_steps: int = 1
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(item.num_tokens for item in self.scheduled)
-
-    @property
     def is_empty(self) -> bool:
         return not self.scheduled and not self.released_seq_ids
 

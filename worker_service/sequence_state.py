@@ -28,10 +28,6 @@ class WorkerSequence:
     def num_output_tokens(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
 
-    @property
-    def needs_history(self) -> bool:
-        return self.token_ids is not None
-
     @classmethod
     def from_message(cls, message: worker_pb2.NewSequence) -> WorkerSequence:
         sampling = message.sampling
