@@ -1,12 +1,14 @@
-"""Where the GPU time of a generation goes: runs a slice of the reference workload in-process under
-torch.profiler and prints the kernels that take the most device time.
+"""Where the GPU time of a generation goes: runs the reference workload (or a slice of it)
+in-process under torch.profiler and prints the wall time, the GPU's busy time (the sum of kernel
+times: one stream, so kernels do not overlap), and the kernels that take the most device time.
 
-    python bench/profile_decode.py [--num-seqs 128] [--max-len 512]
+    python bench/profile_decode.py [--num-seqs 256] [--max-len 1024] [--num-decode-steps 4]
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -23,18 +25,29 @@ def main() -> int:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--num-seqs", type=int, default=256)
-    parser.add_argument("--max-len", type=int, default=384)
+    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--num-decode-steps", type=int, default=4)
+    parser.add_argument("--rows", type=int, default=40)
     parser.add_argument("--work-dir", default="/tmp/nanovllm-bench")
     args = parser.parse_args()
     model = make_random_checkpoint(Path(args.work_dir) / "random-qwen3-0.6b")
-    llm = LLM(str(model), max_model_len=4096)
+    llm = LLM(str(model), max_model_len=4096, num_decode_steps=args.num_decode_steps)
     prompts, max_tokens = bench_workload(args.num_seqs, args.max_len, args.max_len)
     params = [SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True) for m in max_tokens]
     llm.generate(prompts[:8], params[:8], use_tqdm=False)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+        wall = time.perf_counter() - started
+    averages = prof.key_averages()
+    busy_us = sum(event.self_device_time_total for event in averages)
+    print(f"wall {wall:.3f} s (under the profiler), GPU busy {busy_us / 1e6:.3f} s ({busy_us / 1e6 / wall:.0%})")
+    print(f"{'us total':>12} {'share':>6} {'calls':>8} {'us/call':>8}  kernel")
+    for event in sorted(averages, key=lambda e: e.self_device_time_total, reverse=True)[:args.rows]:
+        total = event.self_device_time_total
+        print(f"{total:>12.0f} {total / busy_us:>6.1%} {event.count:>8} {total / max(event.count, 1):>8.1f}  "
+              f"{event.key[:110]}")
     return 0
 
 
