@@ -28,6 +28,7 @@ def main() -> int:
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--num-decode-steps", type=int, default=4)
     parser.add_argument("--rows", type=int, default=40)
+    parser.add_argument("--bins", type=int, default=20, help="slices of the run in the idle timeline")
     parser.add_argument("--work-dir", default="/tmp/nanovllm-bench")
     args = parser.parse_args()
     model = make_random_checkpoint(Path(args.work_dir) / "random-qwen3-0.6b")
@@ -48,7 +49,37 @@ def main() -> int:
         total = event.self_device_time_total
         print(f"{total:>12.0f} {total / busy_us:>6.1%} {event.count:>8} {total / max(event.count, 1):>8.1f}  "
               f"{event.key[:110]}")
+    print_idle_timeline(prof.events(), args.bins)
     return 0
+
+
+def print_idle_timeline(events, num_bins: int) -> None:
+    """The GPU's idle time in equal slices of the run (gaps between consecutive kernels), so
+    that idle phases (host-bound steps) show where in the run they are."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+    if not spans:
+        return
+    first, last = spans[0][0], max(end for _, end in spans)
+    width = (last - first) / num_bins
+    idle = [0.0] * num_bins
+    kernels = [0] * num_bins
+    big_gaps = [0] * num_bins
+    reach = spans[0][1]
+    for start, end in spans[1:]:
+        slot = min(int((start - first) / width), num_bins - 1)
+        kernels[slot] += 1
+        if start > reach:
+            idle[slot] += start - reach
+            big_gaps[slot] += start - reach > 100
+        reach = max(reach, end)
+    total_idle = sum(idle)
+    print(f"GPU idle between kernels: {total_idle / 1e6:.3f} s of {(last - first) / 1e6:.3f} s")
+    print(f"{'slice ms':>10} {'idle ms':>9} {'idle':>6} {'kernels':>8} {'gaps>100us':>10}")
+    for index in range(num_bins):
+        print(f"{(index * width) / 1e3:>10.0f} {idle[index] / 1e3:>9.1f} {idle[index] / width:>6.0%} "
+              f"{kernels[index]:>8} {big_gaps[index]:>10}")
 
 
 if __name__ == "__main__":
