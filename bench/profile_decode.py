@@ -7,6 +7,7 @@ times: one stream, so kernels do not overlap), and the kernels that take the mos
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -36,11 +37,16 @@ def main() -> int:
     prompts, max_tokens = bench_workload(args.num_seqs, args.max_len, args.max_len)
     params = [SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True) for m in max_tokens]
     llm.generate(prompts[:8], params[:8], use_tqdm=False)
+    gc_pauses = record_gc_pauses()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         started = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
         wall = time.perf_counter() - started
+    gc.callbacks.remove(gc_pauses.callback)
+    print(f"gc: {len(gc_pauses.seconds)} collections, {sum(gc_pauses.seconds) * 1e3:.1f} ms in all, the longest "
+          f"{max(gc_pauses.seconds, default=0) * 1e3:.1f} ms; allocator retries (cudaFree + retry): "
+          f"{torch.cuda.memory_stats().get('num_alloc_retries', 0)}")
     averages = prof.key_averages()
     busy_us = sum(event.self_device_time_total for event in averages)
     print(f"wall {wall:.3f} s (under the profiler), GPU busy {busy_us / 1e6:.3f} s ({busy_us / 1e6 / wall:.0%})")
@@ -51,6 +57,26 @@ def main() -> int:
               f"{event.key[:110]}")
     print_idle_timeline(prof.events(), args.bins)
     return 0
+
+
+class GcPauses:
+    """Durations of the garbage collector's runs, through gc.callbacks."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._started = 0.0
+
+    def callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds.append(time.perf_counter() - self._started)
+
+
+def record_gc_pauses() -> GcPauses:
+    pauses = GcPauses()
+    gc.callbacks.append(pauses.callback)
+    return pauses
 
 
 def print_idle_timeline(events, num_bins: int) -> None:

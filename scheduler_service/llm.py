@@ -9,6 +9,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from common.config import SchedulerConfig, WorkerConfig, split_options
+from common.gc_pauses import freeze_startup_objects
 from common.generated.nanovllm.worker.v1 import worker_pb2
 from common.sampling_params import SamplingParams
 from scheduler_service.engine_core import EngineCore
@@ -40,6 +41,7 @@ class LLM:
         self.tokenizer = load_tokenizer(model)
         eos = eos_token_ids(model, self.tokenizer) | set(self.worker.eos_token_ids)
         self.engine = EngineCore(self.scheduler_config, worker_info_from(describe, num_blocks.num_kv_blocks), eos)
+        freeze_startup_objects()
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

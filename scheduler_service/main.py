@@ -11,6 +11,7 @@ import logging
 import signal
 
 from common.cli import scheduler_config_from
+from common.gc_pauses import freeze_startup_objects
 from scheduler_service.async_engine import AsyncEngine
 from scheduler_service.public_server import build_public_server
 from scheduler_service.tokenizer import eos_token_ids, load_tokenizer
@@ -31,6 +32,7 @@ async def run_scheduler_async(args: argparse.Namespace, tokenizer_path: str | No
                                      eos_token_ids(tokenizer_path, tokenizer))
     server = build_public_server(engine, args.host, args.port)
     await server.start()
+    freeze_startup_objects()
     logger.info("scheduler listening on %s:%d (worker %s); health is SERVING once the worker is ready",
                 args.host, server.port, args.worker)
     stop = stop or asyncio.Event()

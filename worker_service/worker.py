@@ -13,6 +13,7 @@ import time
 import torch
 
 from common.config import WorkerConfig
+from common.gc_pauses import freeze_startup_objects
 from common.generated.nanovllm.worker.v1 import worker_pb2
 from worker_service.batch import ScheduledChunk, apply_step, build_model_input
 from worker_service.model_runner import ModelRunner
@@ -151,7 +152,9 @@ class WorkerCore:
         self.seq_id_to_state.clear()
         self._last_step_id = 0
         self._last_launched = None
-        return worker_pb2.InitCacheResponse(num_kv_blocks=self.runner.init_cache(request.num_kv_blocks))
+        num_blocks = self.runner.init_cache(request.num_kv_blocks)
+        freeze_startup_objects()  # graphs are captured: start-up is over
+        return worker_pb2.InitCacheResponse(num_kv_blocks=num_blocks)
 
     def release(self, request: worker_pb2.ReleaseRequest) -> worker_pb2.ReleaseResponse:
         with self.lock:
