@@ -223,12 +223,19 @@ def sweep(device: torch.device) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true", help="also sweep kernel configurations")
+    parser.add_argument("--decode-sweep", metavar="BATCH:CONTEXT", nargs="+",
+                        help="only sweep the decode kernel's configurations at these shapes (block size 256)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
     device = torch.device("cuda")
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    if args.decode_sweep:
+        for shape in args.decode_sweep:
+            batch, context = (int(part) for part in shape.split(":"))
+            sweep_decode(256, batch, context, device)
+        return
     print(HEADER, flush=True)
     rows: list[Row] = []
     for block_size in (256, 16):
