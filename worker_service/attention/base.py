@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from worker_service.layers import RMSNorm, RotaryEmbedding
 
 
 @dataclass
@@ -56,6 +60,25 @@ class AttentionBackend(ABC):
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  metadata: AttentionMetadata) -> None:
         """k, v: [num_tokens, num_kv_heads, head_dim]; writes them at metadata.slot_mapping."""
+
+    def rope_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                       rotary: RotaryEmbedding, q_norm: RMSNorm | None, k_norm: RMSNorm | None,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """Everything between the qkv projection and `attend`: q and k through their per-head norms
+        (Qwen3; None for models without) and rotary at positions [num_tokens], then k and v into the
+        cache via store_kv. q [num_tokens, num_heads, head_dim] and k, v [num_tokens, num_kv_heads,
+        head_dim] may be strided views of the projection output. Returns the rotated q.
+
+        This default composes the layers' own kernels; a backend may fuse it into one kernel as
+        long as the result is the same.
+        """
+        if q_norm is not None:
+            q = q_norm(q)
+        if k_norm is not None:
+            k = k_norm(k)
+        q, k = rotary(positions, q, k)
+        self.store_kv(k, v, k_cache, v_cache, metadata)
+        return q
 
     @abstractmethod
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,

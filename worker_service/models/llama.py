@@ -51,11 +51,8 @@ class Attention(nn.Module):
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        self.backend.store_kv(k, v, self.k_cache, self.v_cache, metadata)
+        q = self.backend.rope_and_store(q, k, v, positions, self.rotary_emb, self.q_norm, self.k_norm,
+                                        self.k_cache, self.v_cache, metadata)
         out = self.backend.attend(q, self.k_cache, self.v_cache, metadata, self.scale)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
