@@ -63,7 +63,7 @@ class ModelRunner:
         self.backend = get_attention_backend(backend_name)
         self.model, self.model_config = load_checkpoint(config.model, self.dtype, self.device, self.backend)
         self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
-        self.sampler = Sampler()
+        self.sampler = Sampler(seed=config.seed)
         self.kv_spec = KVCacheSpec(self.model_config.num_layers, config.block_size,
                                    self.model_config.num_kv_heads, self.model_config.head_dim, self.dtype)
         self.num_kv_blocks = 0

@@ -4,9 +4,17 @@ sampling, and log-probabilities, each row with its own parameters (see `Sampling
 Every op runs on the device with no host-device synchronisation. Sampling uses the exponential
 race: argmax(p / q) with q ~ Exp(1) i.i.d. picks token i with probability p_i / sum(p), so no
 cumulative search (and no renormalisation after filtering) is needed.
+
+Batches that sample by temperature alone (`SamplingBatch.is_plain_temperature`, some row not greedy)
+take a shortcut on CUDA: one fused Triton kernel (`fused_sampling.gumbel_sample`, the same race in
+log space: argmax(logits / T + Gumbel noise)) reads the logits once, instead of the several [B, V]
+passes below. Its noise is counter-based, from a seed the sampler draws on the host for each call.
+Seeded rows never take it, so their tokens stay those of `seeded_exponential_noise`.
 """
 from __future__ import annotations
 
+import os
+import random
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +31,8 @@ __all__ = [
     "seeded_exponential_noise",
 ]
 
+# What fused_sampling.gumbel_sample accepts (that module imports Triton, so it is imported only when used).
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Exp(1) draws can be exactly 0 (a uniform draw of 1); p / 0 would beat every real candidate, and
 # 0 / 0 = NaN would let argmax pick a filtered token.
 _MIN_NOISE = torch.finfo(torch.float32).tiny
@@ -44,13 +54,28 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Samples one token per row of a [B, V] logits tensor, following each row's parameters."""
+    """Samples one token per row of a [B, V] logits tensor, following each row's parameters.
+
+    `fused` chooses where plain temperature batches take the fused kernel: None (auto) when the
+    logits are on CUDA; True also on the CPU through Triton's interpreter (TRITON_INTERPRET=1, for
+    tests); False never. The n-th fused call's noise seed is the n-th `getrandbits(62)` of
+    `random.Random(seed)`: cheap host work, no device sync. Other calls use torch's generators.
+    """
+
+    def __init__(self, seed: int = 0, fused: bool | None = None) -> None:
+        self.fused = fused
+        self._fused_seeds = random.Random(seed)
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Samples from `logits` ([B, V], any float dtype; never modified) with `batch` built for
         the same rows."""
         if logits.dim() != 2 or tuple(logits.shape) != (batch.num_seqs, batch.vocab_size):
             raise ValueError(f"logits of shape {tuple(logits.shape)} for {batch.num_seqs} rows of {batch.vocab_size}")
+        if self._takes_fused_path(logits, batch):
+            from worker_service.fused_sampling import gumbel_sample  # imports Triton: only when needed
+
+            seed = self._fused_seeds.getrandbits(62)
+            return SamplerOutput(token_ids=gumbel_sample(logits, batch.inv_temperatures, seed))
         raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32) if batch.needs_logprobs else None
         logits = apply_penalties(logits, batch)
         if batch.is_all_greedy:
@@ -60,6 +85,18 @@ class Sampler:
         return _output(token_ids, raw_logprobs, batch.max_num_top_logprobs)
 
     __call__ = sample
+
+    def _takes_fused_path(self, logits: torch.Tensor, batch: SamplingBatch) -> bool:
+        """Whether this call samples with the fused kernel (see the class docstring)."""
+        if self.fused is False or not batch.is_plain_temperature or batch.is_all_greedy:
+            return False
+        if logits.dtype not in _FUSED_DTYPES:
+            return False
+        if logits.is_cuda:
+            return True
+        if self.fused and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(f"fused sampling on {logits.device} needs CUDA or TRITON_INTERPRET=1")
+        return bool(self.fused)
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

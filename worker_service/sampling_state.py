@@ -2,8 +2,9 @@
 
 `SamplingBatch.build` runs once per step on the host. It looks at the whole batch first so that the
 sampler can skip every stage nobody asked for (all greedy: argmax only; no penalties: no [B, V]
-penalty tensors; no top-k/top-p/min-p: no sorting), and it copies each tensor to the device once,
-from pinned memory and without blocking, so building a batch never waits for the GPU.
+penalty tensors; no top-k/top-p/min-p: no sorting; temperature alone: one fused kernel on CUDA),
+and it copies each tensor to the device once, from pinned memory and without blocking, so building
+a batch never waits for the GPU.
 """
 from __future__ import annotations
 
@@ -139,6 +140,10 @@ class SamplingBatch:
     is_all_greedy: bool
     greedy_mask: torch.Tensor | None  # [B] bool; None when no row, or every row, is greedy
     temperatures: torch.Tensor | None  # [B] float32, 1.0 on greedy rows; None when all greedy
+    # No row uses top-k, top-p, min-p, a penalty, a seed or log-probabilities (filters and seeds of
+    # greedy rows do not count, as above): rows sample by temperature alone, or are greedy.
+    is_plain_temperature: bool
+    inv_temperatures: torch.Tensor | None  # [B] float32, 0.0 on greedy rows; only if plain and not all greedy
     top_k: torch.Tensor | None  # [B] int64, vocab_size where unlimited
     max_top_k: int  # the largest limited top_k, 0 if none
     top_p: torch.Tensor | None  # [B] float32, 2.0 (never reached) where unlimited
@@ -175,18 +180,25 @@ class SamplingBatch:
         is_all_greedy = not sampled
         seeded_rows = tuple(i for i, p in enumerate(params) if not p.is_greedy and p.seed is not None)
         logprob_rows = [p for p in params if p.return_logprobs]
+        # The optional stages, each None when no row uses it.
+        stages = {
+            "top_k": _top_k(params, vocab_size, device),
+            "top_p": _row_values(params, lambda p: p.top_p if p.top_p < 1.0 else 2.0, lambda p: p.top_p < 1.0, device),
+            "min_p": _row_values(params, lambda p: p.min_p, lambda p: p.min_p > 0.0, device),
+            **_repetition_penalty(params, prompt_token_ids, output_token_ids, vocab_size, device),
+            **_output_penalties(params, output_token_ids, vocab_size, device),
+        }
+        is_plain_temperature = all(v is None for v in stages.values()) and not seeded_rows and not logprob_rows
         return cls(
             num_seqs=num_seqs,
             vocab_size=vocab_size,
             is_all_greedy=is_all_greedy,
             greedy_mask=_greedy_mask(params, device),
             temperatures=None if is_all_greedy else _temperatures(params, device),
-            top_k=_top_k(params, vocab_size, device),
+            is_plain_temperature=is_plain_temperature,
+            inv_temperatures=_inv_temperatures(params, device) if is_plain_temperature and not is_all_greedy else None,
             max_top_k=max((p.top_k for p in sampled if 0 < p.top_k < vocab_size), default=0),
-            top_p=_row_values(params, lambda p: p.top_p if p.top_p < 1.0 else 2.0, lambda p: p.top_p < 1.0, device),
-            min_p=_row_values(params, lambda p: p.min_p, lambda p: p.min_p > 0.0, device),
-            **_repetition_penalty(params, prompt_token_ids, output_token_ids, vocab_size, device),
-            **_output_penalties(params, output_token_ids, vocab_size, device),
+            **stages,
             seeded_rows=seeded_rows,
             generator_seeds=tuple(generator_seed(params[i].seed, output_index[i]) for i in seeded_rows),
             seeded_row_index=_to_device(seeded_rows, torch.int64, device) if seeded_rows else None,
@@ -204,6 +216,11 @@ def _greedy_mask(params: Sequence[SequenceSamplingParams], device: torch.device)
 
 def _temperatures(params: Sequence[SequenceSamplingParams], device: torch.device) -> torch.Tensor:
     return _to_device([1.0 if p.is_greedy else p.temperature for p in params], torch.float32, device)
+
+
+def _inv_temperatures(params: Sequence[SequenceSamplingParams], device: torch.device) -> torch.Tensor:
+    """1 / temperature of each sampled row and 0.0 (greedy) elsewhere, for the fused sampler."""
+    return _to_device([0.0 if p.is_greedy else 1.0 / p.temperature for p in params], torch.float32, device)
 
 
 def _top_k(params: Sequence[SequenceSamplingParams], vocab_size: int, device: torch.device) -> torch.Tensor | None:
