@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session: stages given as arguments, in order (default: tests attention throughput).
-#   tests       GPU tests (Triton kernels, the whole model against transformers)
+#   tests       GPU tests (Triton kernels, the fused sampler, the whole model against transformers)
+#   profile     bench/profile_decode.py: GPU busy and idle time, the kernels that take it
 #   attention   bench/attention_bench.py
 #   throughput  bench/throughput.py, in-process and through gRPC (random Qwen3-0.6B, bf16)
 #   hf          bench/throughput.py, transformers' continuous batching vs ours on the first 32
@@ -21,7 +22,9 @@ for stage in "${@:-tests attention throughput}"; do
     echo "=== $s"
     case $s in
       tests) timeout 420 python3 -m pytest -q -x -p no:cacheprovider tests/worker_service/test_triton_attention.py \
-               tests/worker_service/test_gpu_model.py tests/worker_service/test_sampler.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+               tests/worker_service/test_gpu_model.py tests/worker_service/test_sampler.py \
+               tests/worker_service/test_fused_sampling.py tests/worker_service/test_triton_rope_store.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+      profile) timeout 300 python3 bench/profile_decode.py 2>&1 | grep -v Warn | tee "$OUT/profile.log" | tail -40 ;;
       attention) timeout 240 python3 bench/attention_bench.py 2>&1 | tee "$OUT/attention.log" | tail -30 ;;
       throughput) timeout 540 python3 bench/throughput.py --modes inprocess,grpc --json-out "$OUT/throughput.json" \
                2>&1 | tee "$OUT/throughput.log" | tail -25 ;;
