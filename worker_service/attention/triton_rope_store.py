@@ -92,20 +92,21 @@ def _rope_store_kernel(
         block = slot // BLOCK_SIZE
         offset = slot % BLOCK_SIZE
         all_dims = tl.arange(0, HEAD_DIM)
-        for head_start in tl.static_range(0, NUM_KV_HEADS, BLOCK_KV_HEADS):
-            heads = head_start + tl.arange(0, BLOCK_KV_HEADS)
-            mask = heads < NUM_KV_HEADS
-            k1, k2 = _norm_and_rotate(k_ptr + token * stride_k_tok, stride_k_head, heads, mask, cos, sin,
+        # Names apart from the q loop's: Triton does not let a branch give a variable another shape.
+        for kv_start in tl.static_range(0, NUM_KV_HEADS, BLOCK_KV_HEADS):
+            kv_heads = kv_start + tl.arange(0, BLOCK_KV_HEADS)
+            kv_mask = kv_heads < NUM_KV_HEADS
+            k1, k2 = _norm_and_rotate(k_ptr + token * stride_k_tok, stride_k_head, kv_heads, kv_mask, cos, sin,
                                       k_norm_ptr, eps, HALF_DIM, HAS_K_NORM)
             k_dst = (k_cache_ptr + block * stride_kc_block + offset * stride_kc_tok
-                     + heads[:, None] * stride_kc_head + dims[None, :])
-            tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=mask[:, None])
-            tl.store(k_dst + HALF_DIM, k2.to(k_cache_ptr.dtype.element_ty), mask=mask[:, None])
-            v = tl.load(v_ptr + token * stride_v_tok + heads[:, None] * stride_v_head + all_dims[None, :],
-                        mask=mask[:, None])
+                     + kv_heads[:, None] * stride_kc_head + dims[None, :])
+            tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask[:, None])
+            tl.store(k_dst + HALF_DIM, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask[:, None])
+            v = tl.load(v_ptr + token * stride_v_tok + kv_heads[:, None] * stride_v_head + all_dims[None, :],
+                        mask=kv_mask[:, None])
             v_dst = (v_cache_ptr + block * stride_vc_block + offset * stride_vc_tok
-                     + heads[:, None] * stride_vc_head + all_dims[None, :])
-            tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask[:, None])
+                     + kv_heads[:, None] * stride_vc_head + all_dims[None, :])
+            tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=kv_mask[:, None])
 
 
 def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
