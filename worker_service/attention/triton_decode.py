@@ -31,7 +31,9 @@ MIN_TOKENS_PER_SPLIT = 128  # below this a split's fixed cost (q load, partial w
 MAX_NUM_SPLITS = 64
 
 
-@triton.jit
+# Per-batch values, not compile-time ones (Triton would otherwise compile a variant for 1 and for
+# multiples of 16 of each while serving).
+@triton.jit(do_not_specialize=["num_splits", "stride_bt_seq"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
     scale_log2, num_splits,
@@ -101,7 +103,7 @@ def _decode_kernel(
         tl.store(o, out_tile.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     partial_out_ptr, partial_lse_ptr, out_ptr, num_splits,
     stride_po_seq, stride_po_head, stride_po_split,

@@ -60,7 +60,9 @@ def _attend_tiles(acc, l_i, m_i, q, q_positions, k_head, v_head, table, lo, hi, 
     return acc, l_i, m_i
 
 
-@triton.jit
+# The block table's width changes from batch to batch: Triton would compile a variant for width 1
+# and for multiples of 16 (its integer specialisations), in the middle of serving.
+@triton.jit(do_not_specialize=["stride_bt_seq"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
     scale_log2,
