@@ -1,9 +1,9 @@
 """The fused Gumbel-max sampling kernel (worker_service.fused_sampling) and the sampler's use of it.
 
 Runs on a CUDA device. Without one the module is skipped before Triton is imported, unless
-TRITON_INTERPRET=1 is set: then it runs on the CPU through Triton's interpreter at small sizes.
-Triton 3.6's interpreter also needs numpy < 2.3, e.g. `pip install --target /tmp/np22 "numpy<2.3"`,
-then `TRITON_INTERPRET=1 PYTHONPATH=/tmp/np22 pytest tests/worker_service/test_fused_sampling.py`.
+TRITON_INTERPRET=1 is set: then it runs on the CPU through Triton's interpreter at small sizes
+(the interpreter needs numpy < 2.3: see tests/worker_service/conftest.py, which sets
+TRITON_INTERPRET where it works).
 
 The interpreter runs each program in Python (~20 ms a tile), far too slow for the hundreds of
 thousands of draws that pin down a distribution. So the statistics are checked twice: through

@@ -1,11 +1,10 @@
 """The Triton attention kernels (store_kv, split-K paged decode, paged prefill) and backend against a
 float64 reference over the same paged cache.
 
-Runs on a CUDA device. Without one the module is skipped before Triton is imported, unless
-TRITON_INTERPRET=1 is set: then it runs on the CPU through Triton's interpreter at small sizes, in
-float16 instead of bfloat16 (the interpreter's bf16 tl.dot is wrong) and float32. Triton 3.6's
-interpreter also needs numpy < 2.3, e.g. `pip install --target /tmp/np22 "numpy<2.3"`, then
-`TRITON_INTERPRET=1 PYTHONPATH=/tmp/np22 pytest tests/worker_service/test_triton_attention.py`.
+Runs on a CUDA device. Without one it runs on the CPU through Triton's interpreter when
+TRITON_INTERPRET=1 (tests/worker_service/conftest.py sets it where the interpreter works: Triton
+installed, numpy < 2.3, as the dev extra pins), at small sizes, in float16 instead of bfloat16 (the
+interpreter's bf16 tl.dot is wrong) and float32; otherwise it is skipped before Triton is imported.
 
 Every check draws fresh random inputs (caches included: a read of a wrong slot changes the
 result), poisons outputs with NaN first and requires every element written, and reports the worst

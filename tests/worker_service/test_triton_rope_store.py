@@ -4,9 +4,8 @@ it replaces: `norm.rms_norm`, then `rotary.apply_rotary`, then a store at slot_m
 Runs on a CUDA device. Without one the module is skipped before Triton is imported, unless
 TRITON_INTERPRET=1 is set: then it runs on the CPU through Triton's interpreter at small sizes, in
 float16 instead of bfloat16 (the interpreter truncates float32 to bfloat16 instead of rounding to
-nearest even, so none of its bf16 results can match PyTorch's), and float32. Triton 3.6's
-interpreter also needs numpy < 2.3, e.g. `pip install --target /tmp/np22 "numpy<2.3"`, then
-`TRITON_INTERPRET=1 PYTHONPATH=/tmp/np22 pytest tests/worker_service/test_triton_rope_store.py`.
+nearest even, so none of its bf16 results can match PyTorch's), and float32 (the interpreter needs
+numpy < 2.3: see tests/worker_service/conftest.py, which sets TRITON_INTERPRET where it works).
 
 Results must be bit-identical. The one exception is the norm's float32 sum of squares, whose
 reduction order is PyTorch's own (it differs between CPU ISAs and CUDA launch shapes): the exact
