@@ -1,10 +1,10 @@
 """Keeps Python's cyclic garbage collector from stalling the serving loop.
 
-After start-up a server process holds about a million long-lived objects (torch, the compiled
-kernels' graphs, the model's modules, protobuf descriptors). Every full collection walks all of
-them: 0.1 to 0.3 s with the GPU idle, twice or more per minute of steady generation. Freezing
-them after start-up moves them out of the collector's sight; the objects created while serving
-are still collected.
+After start-up a worker holds a great many long-lived objects (torch, Inductor's compiled graphs,
+the model's modules, protobuf descriptors), and every full collection walks all of them: on an H200
+the reference benchmark showed two stalls of about 250 ms with the GPU idle in a 7 s run. Freezing
+them after start-up moves them out of the collector's sight (the same run then spent 78 ms in 436
+collections, the longest 17.6 ms); the objects created while serving are still collected.
 """
 from __future__ import annotations
 
