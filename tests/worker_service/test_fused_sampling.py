@@ -2,7 +2,7 @@
 
 Runs on a CUDA device. Without one the module is skipped before Triton is imported, unless
 TRITON_INTERPRET=1 is set: then it runs on the CPU through Triton's interpreter at small sizes
-(the interpreter needs numpy < 2.3: see tests/worker_service/conftest.py, which sets
+(the interpreter needs numpy < 2.3: see tests/worker_service/triton_runtime.py, which sets
 TRITON_INTERPRET where it works).
 
 The interpreter runs each program in Python (~20 ms a tile), far too slow for the hundreds of
@@ -13,22 +13,14 @@ kernel that runs the same noise code on many draws per program, everywhere.
 from __future__ import annotations
 
 import math
-import os
 import random
 
 import pytest
 import torch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if not torch.cuda.is_available() and not INTERPRET:
-    pytest.skip("needs a CUDA device (or TRITON_INTERPRET=1 for a small CPU run)", allow_module_level=True)
-pytest.importorskip("triton")
-if INTERPRET:
-    import numpy
+from tests.worker_service.triton_runtime import DEVICE, INTERPRET, skip_module_unless_kernels_run
 
-    if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 3):
-        # Triton 3.6's interpreter calls int() on 1-element arrays, an error since numpy 2.3.
-        pytest.skip("Triton's interpreter needs numpy < 2.3", allow_module_level=True)
+skip_module_unless_kernels_run()
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -45,7 +37,6 @@ from worker_service.sampler import Sampler, SamplingBatch, SequenceSamplingParam
 
 pytestmark = pytest.mark.gpu
 
-DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 FAST_LOG = [False] if INTERPRET else [False, True]  # the kernel uses lg2.approx on CUDA
 P = SequenceSamplingParams
 LOG2E = 1.4426950408889634

@@ -5,21 +5,17 @@ needs numpy < 2.3, see tests/worker_service/test_triton_attention.py).
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if not torch.cuda.is_available() and not INTERPRET:
-    pytest.skip("needs a CUDA device (or TRITON_INTERPRET=1 for a small CPU run)", allow_module_level=True)
-pytest.importorskip("triton")
+from tests.worker_service.triton_runtime import DEVICE, INTERPRET, skip_module_unless_kernels_run
+
+skip_module_unless_kernels_run()
 
 from worker_service.layers.activation import silu_and_mul as eager_silu_and_mul  # noqa: E402
 from worker_service.layers.triton_activation import silu_and_mul  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 # The interpreter truncates float32 -> bfloat16 instead of rounding: float16 stands in for it there.
 DTYPES = [torch.float16, torch.float32] if INTERPRET else [torch.bfloat16, torch.float16, torch.float32]
 

@@ -2,7 +2,7 @@
 float64 reference over the same paged cache.
 
 Runs on a CUDA device. Without one it runs on the CPU through Triton's interpreter when
-TRITON_INTERPRET=1 (tests/worker_service/conftest.py sets it where the interpreter works: Triton
+TRITON_INTERPRET=1 (tests/worker_service/triton_runtime.py sets it where the interpreter works: Triton
 installed, numpy < 2.3, as the dev extra pins), at small sizes, in float16 instead of bfloat16 (the
 interpreter's bf16 tl.dot is wrong) and float32; otherwise it is skipped before Triton is imported.
 
@@ -14,23 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import random
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if not torch.cuda.is_available() and not INTERPRET:
-    pytest.skip("needs a CUDA device (or TRITON_INTERPRET=1 for a small CPU run)", allow_module_level=True)
-pytest.importorskip("triton")
-if INTERPRET:
-    import numpy
+from tests.worker_service.triton_runtime import DEVICE, INTERPRET, skip_module_unless_kernels_run
 
-    if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 3):
-        # Triton 3.6's interpreter calls int() on 1-element arrays, an error since numpy 2.3.
-        pytest.skip("Triton's interpreter needs numpy < 2.3", allow_module_level=True)
+skip_module_unless_kernels_run()
 
 from worker_service.attention import default_backend_name, get_attention_backend  # noqa: E402
 from worker_service.attention.base import AttentionMetadata  # noqa: E402
@@ -44,7 +36,6 @@ from worker_service.attention.triton_store_kv import store_kv  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 LOW = torch.float16 if INTERPRET else torch.bfloat16  # the serving dtype (bf16 on the GPU)
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-3}
 BLOCK_SIZES = [16, 64] if INTERPRET else [16, 64, 256]

@@ -5,7 +5,7 @@ Runs on a CUDA device. Without one the module is skipped before Triton is import
 TRITON_INTERPRET=1 is set: then it runs on the CPU through Triton's interpreter at small sizes, in
 float16 instead of bfloat16 (the interpreter truncates float32 to bfloat16 instead of rounding to
 nearest even, so none of its bf16 results can match PyTorch's), and float32 (the interpreter needs
-numpy < 2.3: see tests/worker_service/conftest.py, which sets TRITON_INTERPRET where it works).
+numpy < 2.3: see tests/worker_service/triton_runtime.py, which sets TRITON_INTERPRET where it works).
 
 Results must be bit-identical. The one exception is the norm's float32 sum of squares, whose
 reduction order is PyTorch's own (it differs between CPU ISAs and CUDA launch shapes): the exact
@@ -17,22 +17,14 @@ tokens were written.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if not torch.cuda.is_available() and not INTERPRET:
-    pytest.skip("needs a CUDA device (or TRITON_INTERPRET=1 for a small CPU run)", allow_module_level=True)
-pytest.importorskip("triton")
-if INTERPRET:
-    import numpy
+from tests.worker_service.triton_runtime import DEVICE, INTERPRET, skip_module_unless_kernels_run
 
-    if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 3):
-        # Triton 3.6's interpreter calls int() on 1-element arrays, an error since numpy 2.3.
-        pytest.skip("Triton's interpreter needs numpy < 2.3", allow_module_level=True)
+skip_module_unless_kernels_run()
 
 from worker_service.attention import get_attention_backend  # noqa: E402
 from worker_service.attention.base import AttentionMetadata  # noqa: E402
@@ -41,7 +33,6 @@ from worker_service.layers import RMSNorm, RotaryEmbedding, norm, rotary  # noqa
 
 pytestmark = pytest.mark.gpu
 
-DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 LOW = torch.float16 if INTERPRET else torch.bfloat16  # the serving dtype (bf16 on the GPU)
 DTYPES = [LOW, torch.float32]
 HEAD_DIMS = [32, 64] if INTERPRET else [64, 128]
