@@ -21,6 +21,16 @@ def check_kernel_operands(**tensors: torch.Tensor) -> None:
             raise ValueError(f"{name}: head_dim must be a power of two in [16, 256], got {head_dim}")
 
 
+def attention_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """Query heads per KV head of an attention call, after checking the operands; q [tokens,
+    num_heads, head_dim], caches [num_blocks, block_size, num_kv_heads, head_dim]."""
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    check_kernel_operands(q=q, k_cache=k_cache, v_cache=v_cache)
+    return num_heads // num_kv_heads
+
+
 @functools.cache
 def _device_num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker_service.attention.triton_common import LOG2E, check_kernel_operands, dot_precision, num_sms
+from worker_service.attention.triton_common import LOG2E, attention_group, dot_precision, num_sms
 from worker_service.attention.triton_paging import load_page_ids, token_offsets
 
 DECODE_BLOCK_N = 64  # context tokens per tile: 16 KiB of K (and of V) per tile at head_dim 128 in bf16
@@ -164,13 +164,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    check_kernel_operands(q=q, k_cache=k_cache, v_cache=v_cache)
+    group = attention_group(q, k_cache, v_cache)
     out = torch.empty_like(q) if out is None else out
     if num_seqs == 0:
         return out
-    group = num_heads // num_kv_heads
     num_splits = max(1, min(int(num_splits), MAX_NUM_SPLITS))
     is_split = num_splits > 1
     if is_split:

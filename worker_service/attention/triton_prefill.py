@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker_service.attention.triton_common import LOG2E, check_kernel_operands, dot_precision
+from worker_service.attention.triton_common import LOG2E, attention_group, dot_precision
 from worker_service.attention.triton_paging import load_page_ids, token_offsets
 
 PREFILL_BLOCK_N = 64  # context tokens per K/V tile
@@ -133,14 +133,11 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    check_kernel_operands(q=q, k_cache=k_cache, v_cache=v_cache)
+    group = attention_group(q, k_cache, v_cache)
     out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0 or max_query_len <= 0:
         return out
-    group = num_heads // num_kv_heads
     if k_cache.element_size() > 2:
         # float32 (tests, references): 128-row tiles three stages deep would need ~225 KiB of shared memory.
         max_block_m, num_stages = min(max_block_m, 64), min(num_stages, 2)
