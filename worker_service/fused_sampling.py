@@ -22,12 +22,12 @@ Imported only when logits are on CUDA, or when TRITON_INTERPRET=1 runs Triton on
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
+
+from worker_service.attention.triton_common import num_sms
 
 BLOCK = 4096  # columns per tile: a quarter (one Philox output) is 8 columns, 16 bytes of bf16, a thread
 NUM_WARPS = 4
@@ -220,10 +220,4 @@ def _chunk_layout(vocab_size: int, num_chunks: int) -> tuple[int, int]:
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return INTERPRETER_NUM_SMS
-    return _cuda_num_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _cuda_num_sms(device_index: int) -> int:
-    # Cached: asking is a driver call (no sync), but not a free one.
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    return num_sms(device)
