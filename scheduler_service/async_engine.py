@@ -16,7 +16,7 @@ from typing import Any
 
 from common.config import SchedulerConfig
 from common.sampling_params import SamplingParams
-from scheduler_service.engine_core import EngineCore, TokenUpdate
+from scheduler_service.engine_core import TokenUpdate
 from scheduler_service.errors import EngineUnavailableError
 from scheduler_service.sequence import FinishReason, Sequence
 from scheduler_service.worker_client import WorkerClient
@@ -108,9 +108,6 @@ class AsyncEngine:
     def num_unfinished(self) -> int:
         return len(self._requests)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self._pick_lane().core.validate(prompt_token_ids, params)  # type: ignore[union-attr]
-
     def _pick_lane(self) -> WorkerLane:
         if self._draining:
             raise EngineUnavailableError("the service is shutting down")
@@ -154,7 +151,7 @@ class AsyncEngine:
 
     # Outputs.
 
-    def _dispatch(self, core: EngineCore, updates: list[TokenUpdate]) -> None:
+    def _dispatch(self, updates: list[TokenUpdate]) -> None:
         """One delta per request per step (a step of several decode iterations brings several
         tokens to each)."""
         seq_id_to_updates: dict[int, list[TokenUpdate]] = {}

@@ -55,8 +55,7 @@ class BlockManager:
         # Insertion order is the order blocks were freed: the front is reused first.
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block_id: dict[int, int] = {}
-        self.num_prefix_hit_tokens = 0  # counters, for tests and metrics
-        self.num_prefix_queried_tokens = 0
+        self.num_prefix_hit_tokens = 0  # counter, for tests and metrics
 
     @property
     def num_blocks(self) -> int:
@@ -94,17 +93,13 @@ class BlockManager:
 
     # Allocation.
 
-    def can_admit(self, seq: Sequence, hit: PrefixHit, num_new_tokens: int) -> bool:
-        """Whether seq can take its hit blocks plus the blocks for num_new_tokens more tokens."""
-        num_cached_tokens = len(hit.blocks) * self.block_size
-        num_needed = self.num_blocks_for(num_cached_tokens + num_new_tokens) - hit.num_in_use
-        return num_needed <= self.num_free_blocks
-
     def admit(self, seq: Sequence, hit: PrefixHit, num_new_tokens: int) -> bool:
-        """Gives a waiting sequence its prefix hit and blocks for num_new_tokens more tokens."""
+        """Gives a waiting sequence its prefix hit and blocks for num_new_tokens more tokens; False
+        (and no change) if the pool lacks blocks. Hit blocks other sequences hold cost no free block."""
         if seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
-        if not self.can_admit(seq, hit, num_new_tokens):
+        num_cached_tokens = len(hit.blocks) * self.block_size
+        if self.num_blocks_for(num_cached_tokens + num_new_tokens) - hit.num_in_use > self.num_free_blocks:
             return False
         for block in hit.blocks:
             if block.ref_count == 0:
@@ -112,13 +107,9 @@ class BlockManager:
             block.ref_count += 1
             seq.block_table.append(block.block_id)
         seq.block_hashes = list(hit.hashes)
-        seq.num_computed_tokens = seq.num_cached_tokens = len(hit.blocks) * self.block_size
-        self.num_prefix_hit_tokens += seq.num_cached_tokens
-        self.num_prefix_queried_tokens += seq.num_tokens
-        return self.allocate_slots(seq, seq.num_computed_tokens + num_new_tokens)
-
-    def can_allocate_slots(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.num_blocks_for(num_tokens) - len(seq.block_table) <= self.num_free_blocks
+        seq.num_computed_tokens = seq.num_cached_tokens = num_cached_tokens
+        self.num_prefix_hit_tokens += num_cached_tokens
+        return self.allocate_slots(seq, num_cached_tokens + num_new_tokens)
 
     def allocate_slots(self, seq: Sequence, num_tokens: int) -> bool:
         """Grows seq's block table to hold num_tokens tokens; False (and no change) if the pool

@@ -72,13 +72,13 @@ class EngineCore:
         self.block_manager = BlockManager(worker_info.num_kv_blocks, worker_info.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
-        self.seq_id_to_seq: dict[int, Sequence] = {}
         self._next_step_id = 1
 
     # Requests.
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raises RequestError for a request that can never be served."""
+    def validate(self, prompt_token_ids: list[int]) -> None:
+        """Raises RequestError for a prompt that can never be served. max_model_len is capped at the
+        KV cache's capacity, so a prompt within it also fits in the cache."""
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise RequestError("prompt: must not be empty")
@@ -89,31 +89,23 @@ class EngineCore:
         if bad is not None:
             raise RequestError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, "
                                f"{self.worker_info.vocab_size})")
-        capacity = self.block_manager.num_blocks * self.block_manager.block_size
-        if num_prompt + 1 > capacity:
-            raise RequestError(f"prompt: {num_prompt} tokens do not fit in the KV cache ({capacity} tokens)")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     tokenizer: TokenDecoder | None = None) -> Sequence:
         """Queues a request; with a tokenizer its text is decoded as tokens arrive (seq.detokenizer)."""
-        self.validate(prompt_token_ids, params)
+        self.validate(prompt_token_ids)
         if self.scheduler.num_unfinished >= self.config.max_queue_size:
             raise QueueFullError(f"queue: full ({self.config.max_queue_size} requests)")
         seq = Sequence(list(prompt_token_ids), params)
         if tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids, params.stop,
                                                      params.include_stop_in_output)
-        self.seq_id_to_seq[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq
 
     def abort(self, seq: Sequence) -> None:
         """Stops a sequence now: its blocks return to the pool, the worker forgets it next step."""
-        self.finish(seq, FinishReason.ABORTED)
-
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        self.scheduler.finish(seq, reason)
-        self.seq_id_to_seq.pop(seq.seq_id, None)
+        self.scheduler.finish(seq, FinishReason.ABORTED)
 
     @property
     def has_unfinished(self) -> bool:
@@ -131,13 +123,11 @@ class EngineCore:
         self.scheduler.waiting.clear()
         for seq in sequences:
             seq.reset_for_recompute()
-        self.seq_id_to_seq.clear()
         return sequences
 
     def adopt(self, sequences: list[Sequence]) -> None:
         """Queues sequences taken from another engine, in order, ahead of nothing else."""
         for seq in sequences:
-            self.seq_id_to_seq[seq.seq_id] = seq
             self.scheduler.add(seq)
 
     # Steps.
@@ -171,7 +161,7 @@ class EngineCore:
                 update.top_logprobs = [(t.token_id, t.logprob) for t in sampled.top_logprobs]
             reason = self._add_text(seq, token_id, self._stop_reason(seq, token_id))
             if reason is not None:
-                self.finish(seq, reason)
+                self.scheduler.finish(seq, reason)
                 update.finished = True
             updates.append(update)
         for seq, epoch in step.scheduled.values():

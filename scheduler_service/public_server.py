@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from common import grpc_options
 from common.generated.nanovllm.generate.v1 import generate_pb2, generate_pb2_grpc
-from common.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
+from common.sampling_params import SamplingParams
 from scheduler_service import request_conversion as convert
 from scheduler_service.async_engine import ModelInfo, RequestOutput
 from scheduler_service.error_interceptor import ErrorMappingInterceptor
@@ -40,20 +40,10 @@ class Engine(Protocol):
     @property
     def is_ready(self) -> bool: ...
 
-    def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]: ...
-
-
-@contextlib.asynccontextmanager
-async def _closing(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[AsyncIterator[RequestOutput]]:
-    """Closes the engine's iterator as soon as the handler ends, however it ends: when the client
-    cancels while a message is being sent, the iterator is suspended at a yield, and until closed
-    its sequence keeps its KV blocks. AsyncEngine.generate aborts the sequence when closed."""
-    try:
-        yield outputs
-    finally:
-        aclose = getattr(outputs, "aclose", None)
-        if aclose is not None:
-            await aclose()
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
+        """Closing the generator early aborts the request and frees its KV blocks. The handlers close
+        it as soon as they end, however they end: when the client cancels while a message is being
+        sent, the generator is suspended at a yield and would keep its blocks until closed."""
 
 
 class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
@@ -77,7 +67,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
         request_id = convert.request_id_of(request)
         prompt, params = await self._run_tokenizer(self._convert, request)
         response = ResponseAccumulator(request_id)
-        async with _closing(self.engine.generate(prompt, params)) as outputs:
+        async with contextlib.aclosing(self.engine.generate(prompt, params)) as outputs:
             async for output in outputs:
                 response.add(output)
         return response.result()
@@ -86,7 +76,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
                              context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateStreamResponse]:
         request_id = convert.request_id_of(request)
         prompt, params = await self._run_tokenizer(self._convert, request)
-        async with _closing(self.engine.generate(prompt, params)) as outputs:
+        async with contextlib.aclosing(self.engine.generate(prompt, params)) as outputs:
             async for output in outputs:
                 yield stream_response(request_id, output)
 
@@ -116,9 +106,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
 
     async def GetModelInfo(self, request: generate_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> generate_pb2.GetModelInfoResponse:
-        return model_info_response(self.engine.model_info, self.engine.tokenizer,
-                                   max_stop_strings=MAX_STOP_STRINGS, max_stop_string_chars=MAX_STOP_STRING_CHARS,
-                                   max_top_logprobs=MAX_TOP_LOGPROBS)
+        return model_info_response(self.engine.model_info, self.engine.tokenizer)
 
     def close(self) -> None:
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)

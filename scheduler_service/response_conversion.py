@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from common.generated.nanovllm.generate.v1 import generate_pb2
+from common.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 from scheduler_service.async_engine import ModelInfo, RequestOutput
 from scheduler_service.sequence import FinishReason
 
@@ -70,16 +71,15 @@ class ResponseAccumulator:
         return self.response
 
 
-def model_info_response(model_info: ModelInfo, tokenizer: object | None, *, max_stop_strings: int,
-                        max_stop_string_chars: int, max_top_logprobs: int) -> generate_pb2.GetModelInfoResponse:
+def model_info_response(model_info: ModelInfo, tokenizer: object | None) -> generate_pb2.GetModelInfoResponse:
     return generate_pb2.GetModelInfoResponse(
         model_name=model_info.model_name,
         max_model_len=model_info.max_model_len,
         vocab_size=model_info.vocab_size,
         eos_token_ids=sorted(model_info.eos_token_ids),
-        max_stop_strings=max_stop_strings,
-        max_stop_string_chars=max_stop_string_chars,
-        max_top_logprobs=max_top_logprobs,
+        max_stop_strings=MAX_STOP_STRINGS,
+        max_stop_string_chars=MAX_STOP_STRING_CHARS,
+        max_top_logprobs=MAX_TOP_LOGPROBS,
         has_tokenizer=tokenizer is not None,
         has_chat_template=getattr(tokenizer, "chat_template", None) is not None,
         block_size=model_info.block_size,

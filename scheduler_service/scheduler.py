@@ -108,14 +108,13 @@ class Scheduler:
                 index += 1
                 continue
             end = seq.num_computed_tokens + num_tokens
-            while not self.block_manager.can_allocate_slots(seq, end):
+            while not self.block_manager.allocate_slots(seq, end):
                 victim = self.running[-1]
                 self._preempt(victim, output)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break  # seq itself was preempted: nothing newer is left to run
-            self.block_manager.allocate_slots(seq, end)
             output.scheduled.append(self._mark_scheduled(seq, num_tokens))
             budget -= num_tokens
             index += 1

@@ -105,6 +105,3 @@ class Sequence:
         self.num_blocks_on_worker = -1
         self.worker_holds_last_token = False
         self.num_preemptions += 1
-
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)

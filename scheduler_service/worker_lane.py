@@ -43,7 +43,7 @@ def worker_info_from(describe: worker_pb2.DescribeResponse, num_kv_blocks: int) 
 
 class WorkerLane:
     def __init__(self, config: SchedulerConfig, worker: WorkerClient, extra_eos_token_ids: set[int],
-                 on_updates: Callable[[EngineCore, list[TokenUpdate]], None],
+                 on_updates: Callable[[list[TokenUpdate]], None],
                  on_failure: Callable[[WorkerLane, Exception], None], on_ready: Callable[[], None]) -> None:
         self.config = config
         self.worker = worker
@@ -143,7 +143,7 @@ class WorkerLane:
                     if task is not None:
                         task.cancel()
                     raise
-                self.on_updates(core, core.process_step(in_flight[0], response))
+                self.on_updates(core.process_step(in_flight[0], response))
             elif step is None:
                 raise RuntimeError("requests are waiting but none can be scheduled")
             in_flight = (step, task) if step is not None else None

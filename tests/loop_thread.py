@@ -1,11 +1,13 @@
 """An asyncio event loop in a daemon thread, for tests that serve gRPC in-process while the test
-calls it synchronously."""
+calls it synchronously; and the public server served from one."""
 from __future__ import annotations
 
 import asyncio
 import threading
 from collections.abc import Coroutine
 from typing import Any
+
+from scheduler_service.public_server import PublicServer, build_public_server
 
 
 class LoopThread:
@@ -22,3 +24,28 @@ class LoopThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
         self.loop.close()
+
+
+class PublicServerThread:
+    """Base of the harnesses that serve build_public_server(engine) on 127.0.0.1 from a LoopThread:
+    a subclass's start() sets loop_thread and runs serve(engine) there."""
+
+    run_timeout = 60.0
+
+    def __init__(self) -> None:
+        self.loop_thread: LoopThread | None = None
+        self.public: PublicServer | None = None
+
+    def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        assert self.loop_thread is not None
+        return self.loop_thread.run(coro, self.run_timeout)
+
+    async def serve(self, engine: Any) -> None:
+        """On the loop: builds the public server on a free port and starts it."""
+        self.public = build_public_server(engine, "127.0.0.1", 0, readiness_poll_s=0.02)
+        await self.public.start()
+
+    @property
+    def target(self) -> str:
+        assert self.public is not None
+        return f"127.0.0.1:{self.public.port}"

@@ -7,19 +7,17 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import grpc
 
 from common.config import SchedulerConfig
 from common.generated.nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_service.async_engine import AsyncEngine
-from scheduler_service.public_server import PublicServer, build_public_server
 from scheduler_service.tokenizer import eos_token_ids, load_tokenizer
 from scheduler_service.worker_client import GrpcWorkerClient
-from tests.loop_thread import LoopThread
+from tests.loop_thread import LoopThread, PublicServerThread
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKER_OPTIONS = ["--block-size", "16", "--num-kv-blocks", "256", "--device", "cpu"]
@@ -45,6 +43,11 @@ def cli(*args: str) -> subprocess.Popen:
                             env=env)
 
 
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """Runs a `nanovllm` command to its end, its output captured as text."""
+    return subprocess.run([sys.executable, "-m", "common.cli", *args], capture_output=True, text=True, cwd=REPO_ROOT)
+
+
 def start_worker(model: Path, port: int) -> subprocess.Popen:
     return cli("worker", "--model", str(model), "--port", str(port), *WORKER_OPTIONS)
 
@@ -68,20 +71,14 @@ def stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
-class InProcessScheduler:
+class InProcessScheduler(PublicServerThread):
     """The real AsyncEngine and public server on an event loop in a daemon thread."""
 
-    def __init__(self, model: Path, worker_port: int, config: SchedulerConfig | None = None) -> None:
+    def __init__(self, model: Path, worker_port: int) -> None:
+        super().__init__()
         self.model = model
         self.worker_port = worker_port
-        self.config = config or SchedulerConfig()
-        self.loop_thread: LoopThread | None = None
         self.engine: AsyncEngine | None = None
-        self.public: PublicServer | None = None
-
-    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 60.0) -> Any:
-        assert self.loop_thread is not None
-        return self.loop_thread.run(coro, timeout)
 
     def start(self) -> InProcessScheduler:
         self.loop_thread = LoopThread("scheduler")
@@ -89,18 +86,12 @@ class InProcessScheduler:
         async def build() -> None:
             tokenizer = load_tokenizer(str(self.model))
             worker = GrpcWorkerClient(f"127.0.0.1:{self.worker_port}")
-            self.engine = await AsyncEngine.start(self.config, worker, tokenizer,
+            self.engine = await AsyncEngine.start(SchedulerConfig(), worker, tokenizer,
                                                   eos_token_ids(str(self.model), tokenizer))
-            self.public = build_public_server(self.engine, "127.0.0.1", 0, readiness_poll_s=0.02)
-            await self.public.start()
+            await self.serve(self.engine)
 
         self.run(build())
         return self
-
-    @property
-    def target(self) -> str:
-        assert self.public is not None
-        return f"127.0.0.1:{self.public.port}"
 
     def stop(self) -> None:
         async def shutdown() -> None:

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 from common.sampling_params import SamplingParams
 from scheduler_service.async_engine import ModelInfo, RequestOutput
 from scheduler_service.errors import EngineUnavailableError, QueueFullError, RequestError
-from scheduler_service.public_server import PublicServer, build_public_server
 from scheduler_service.sequence import FinishReason
-from tests.loop_thread import LoopThread
+from tests.loop_thread import LoopThread, PublicServerThread
 
 WORDS = ["[UNK]", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>",
          "hello", "world", "the", "cat", "sat", "on", "a", "mat"]
@@ -73,11 +72,7 @@ class FakeEngine:
     def is_ready(self) -> bool:
         return self.ready
 
-    @property
-    def num_free_blocks(self) -> int:
-        return self.model_info.num_kv_blocks
-
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
             raise RequestError("prompt: must not be empty")
         if len(prompt_token_ids) >= self.model_info.max_model_len:
@@ -90,7 +85,7 @@ class FakeEngine:
             raise QueueFullError("queue: full (4 requests)")
         if self.crash:
             raise RuntimeError("simulated bug")
-        self.validate(prompt_token_ids, params)
+        self.validate(prompt_token_ids)
         self.requests.append((prompt_token_ids, params))
         try:
             for output in self.script(prompt_token_ids, params):
@@ -101,33 +96,19 @@ class FakeEngine:
             self.num_closed += 1
 
 
-class ServerThread:
+class ServerThread(PublicServerThread):
     """Runs build_public_server(engine) on its own event loop in a daemon thread."""
 
-    def __init__(self, engine: FakeEngine) -> None:
-        self.engine = engine
-        self.loop_thread: LoopThread | None = None
-        self.public: PublicServer | None = None
+    run_timeout = 10.0
 
-    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 10.0) -> Any:
-        assert self.loop_thread is not None
-        return self.loop_thread.run(coro, timeout)
+    def __init__(self, engine: FakeEngine) -> None:
+        super().__init__()
+        self.engine = engine
 
     def start(self) -> ServerThread:
         self.loop_thread = LoopThread("public-server")
-
-        async def build_and_start() -> PublicServer:
-            public = build_public_server(self.engine, "127.0.0.1", 0, readiness_poll_s=0.02)
-            await public.start()
-            return public
-
-        self.public = self.run(build_and_start())
+        self.run(self.serve(self.engine))
         return self
-
-    @property
-    def target(self) -> str:
-        assert self.public is not None
-        return f"127.0.0.1:{self.public.port}"
 
     def stop(self) -> None:
         if self.public is not None:

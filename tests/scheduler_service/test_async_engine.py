@@ -141,6 +141,7 @@ def test_a_lost_worker_loses_no_request() -> None:
         engine = await AsyncEngine.start(SchedulerConfig(), worker, None)
         await engine.wait_ready(5)
         tokens, reason = await collect(engine, [7, 8, 9], 30)
+        assert worker.lose_connection_at_step is None  # the connection was lost mid-request
         assert tokens == expected_tokens([7, 8, 9], 30) and reason is FinishReason.LENGTH
         await engine.shutdown(0)
 
@@ -161,8 +162,6 @@ def test_abandoned_stream_frees_its_blocks() -> None:
     run(scenario())
 
 
-
-
 def test_data_parallel_lanes_share_the_requests() -> None:
     async def scenario() -> None:
         workers = [ScriptedWorker(num_kv_blocks=32), ScriptedWorker(num_kv_blocks=48)]
@@ -175,6 +174,7 @@ def test_data_parallel_lanes_share_the_requests() -> None:
         assert engine.num_total_blocks == 80
         prompts = [[i, 2 * i, 3 * i] for i in range(1, 9)]
         results = await asyncio.gather(*(collect(engine, p, 25) for p in prompts))
+        assert workers[1].lose_connection_at_step is None  # the lane did reconnect
         assert [tokens for tokens, _ in results] == [expected_tokens(p, 25) for p in prompts]
         assert all(worker.num_steps > 0 for worker in workers)
         assert engine.num_free_blocks == engine.num_total_blocks

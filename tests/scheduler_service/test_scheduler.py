@@ -29,7 +29,7 @@ def complete(scheduler: Scheduler, output: SchedulerOutput, token: int = 7) -> N
         item.seq.num_blocks_on_worker = len(item.seq.block_table)
         for _ in range(item.num_samples):
             item.seq.num_pending_tokens -= 1
-            item.seq.append_token(token)
+            item.seq.token_ids.append(token)
         scheduler.block_manager.register_computed_blocks(item.seq)
 
 
