@@ -10,6 +10,7 @@ import torch
 from worker_service.attention.base import AttentionMetadata
 from worker_service.batch import ModelInput
 from worker_service.sampler import SamplerOutput
+from worker_service.sampling_state import host_to_device
 
 
 @dataclass
@@ -34,8 +35,7 @@ class DecodePlan:
         rows = np.arange(len(chunks))[None, :]
         slots = tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
         seq_lens = (positions + 1).astype(np.int32)
-        move = (lambda a: torch.from_numpy(a).pin_memory().to(device, non_blocking=True)) if device.type == "cuda" \
-            else torch.from_numpy
+        move = lambda array: host_to_device(torch.from_numpy(array), device)  # noqa: E731
         return cls(move(positions), move(slots), move(seq_lens), seq_lens)
 
     def advance(self, metadata: AttentionMetadata, index: int) -> None:

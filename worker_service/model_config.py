@@ -38,7 +38,6 @@ class ModelConfig:
     attention_bias: bool = False  # qwen2 has q/k/v biases
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     eos_token_ids: tuple[int, ...] = ()
-    torch_dtype: str = "float32"
 
     @property
     def has_qk_norm(self) -> bool:
@@ -77,7 +76,6 @@ class ModelConfig:
             attention_bias=hf.get("attention_bias", architecture == "qwen2"),
             rope_scaling=rope[0],
             eos_token_ids=eos_ids,
-            torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
         )
 
     @classmethod

@@ -8,6 +8,7 @@ from torch import nn
 
 from common.checkpoint import find_gguf_file
 from worker_service.attention.base import AttentionBackend
+from worker_service.loader.gguf_file import GGUFFile
 from worker_service.loader.gguf_loader import gguf_model_config, iter_gguf_hf_tensors
 from worker_service.loader.safetensors_loader import build_empty_model, load_model, load_named_tensors
 from worker_service.model_config import ModelConfig
@@ -29,8 +30,9 @@ def load_checkpoint(model: str, dtype: torch.dtype, device: torch.device,
 def load_gguf_model(path: Path, dtype: torch.dtype, device: torch.device,
                     backend: AttentionBackend) -> tuple[nn.Module, ModelConfig]:
     """Builds the model from GGUF metadata and loads its dequantized tensors, one at a time."""
-    config = gguf_model_config(path)
+    gguf = GGUFFile(path)
+    config = gguf_model_config(gguf)
     model = build_empty_model(config, dtype, device, backend)
-    tensors = ((name, torch.from_numpy(array)) for name, array in iter_gguf_hf_tensors(path))
+    tensors = ((name, torch.from_numpy(array)) for name, array in iter_gguf_hf_tensors(gguf))
     load_named_tensors(model, tensors, str(path))
     return model.eval(), config

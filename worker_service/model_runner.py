@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -17,6 +18,7 @@ from worker_service.memory_profile import profile_peak_memory
 from worker_service.model_loading import load_checkpoint
 from worker_service.sampler import Sampler, SamplerOutput, SamplingBatch
 from worker_service.sampling_inputs import sampling_batch_inputs
+from worker_service.sampling_state import host_to_device
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +47,7 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        element_size = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element_size
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
 
 class ModelRunner:
@@ -112,8 +113,7 @@ class ModelRunner:
 
     def init_cache(self, num_blocks: int, capture_graphs: bool = True) -> int:
         spec = self.kv_spec
-        self.kv_cache = None
-        self.graphs = None
+        self.release_cache()  # before allocating: the old cache's memory may be needed for the new one
         # Every slot is written before it is read; zeros on the CPU only keep stray reads finite.
         allocate = torch.empty if self.device.type == "cuda" else torch.zeros
         self.kv_cache = allocate((spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
@@ -185,25 +185,20 @@ class ModelRunner:
     def _fill_pending_tokens(self, model_input: ModelInput) -> None:
         """Decode tokens sampled by steps still in flight come from those steps' device outputs:
         the copy is queued on the stream after them, so nothing waits on the host."""
-        if not model_input.token_sources:
-            return
-        groups: dict[int, tuple[object, list[int], list[int]]] = {}
+        step_to_rows: dict[Any, tuple[list[int], list[int]]] = {}
         for position, (step, row) in model_input.token_sources.items():
-            group = groups.get(id(step))
-            if group is None:
-                group = groups[id(step)] = (step, [], [])
-            group[1].append(position)
-            group[2].append(row)
-        for step, positions, rows in groups.values():
-            source = step.device_token_ids  # type: ignore[attr-defined]
-            index = torch.tensor([rows, positions], dtype=torch.int64).to(self.device, non_blocking=True)
-            model_input.input_ids[index[1]] = source[index[0]]
+            rows, positions = step_to_rows.setdefault(step, ([], []))
+            rows.append(row)
+            positions.append(position)
+        for step, (rows, positions) in step_to_rows.items():
+            index = host_to_device(torch.tensor([rows, positions], dtype=torch.int64), self.device)
+            model_input.input_ids[index[1]] = step.device_token_ids[index[0]]
 
     def _to_device(self, model_input: ModelInput) -> ModelInput:
         if self.device.type == "cpu":
             return model_input
         md = model_input.metadata
-        move = lambda t: t.pin_memory().to(self.device, non_blocking=True)  # noqa: E731
+        move = lambda t: host_to_device(t, self.device)  # noqa: E731
         md.slot_mapping, md.query_start_loc = move(md.slot_mapping), move(md.query_start_loc)
         md.seq_lens, md.block_tables = move(md.seq_lens), move(md.block_tables)
         model_input.input_ids, model_input.positions = move(model_input.input_ids), move(model_input.positions)

@@ -84,8 +84,6 @@ class Sampler:
             token_ids = _sample_rows(logits, batch)
         return _output(token_ids, raw_logprobs, batch.max_num_top_logprobs)
 
-    __call__ = sample
-
     def _takes_fused_path(self, logits: torch.Tensor, batch: SamplingBatch) -> bool:
         """Whether this call samples with the fused kernel (see the class docstring)."""
         if self.fused is False or not batch.is_plain_temperature or batch.is_all_greedy:

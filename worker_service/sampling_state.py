@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -42,6 +42,8 @@ class SequenceSamplingParams:
     seed: int | None = None  # unsigned 64-bit; makes sampling reproducible
     return_logprobs: bool = False
     num_top_logprobs: int = 0  # used only with return_logprobs
+    # Derived once here: SamplingBatch.build reads it several times per row at every step.
+    is_greedy: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -58,10 +60,7 @@ class SequenceSamplingParams:
             raise ValueError(f"num_top_logprobs must be >= 0, got {self.num_top_logprobs}")
         if self.seed is not None and not 0 <= self.seed <= _MASK_64:
             raise ValueError(f"seed must fit in 64 unsigned bits, got {self.seed}")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < MIN_TEMPERATURE
+        object.__setattr__(self, "is_greedy", self.temperature < MIN_TEMPERATURE)
 
     @property
     def has_top_k(self) -> bool:
@@ -97,9 +96,8 @@ def _to_device(values: Sequence[float] | Sequence[int], dtype: torch.dtype, devi
     return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=pin)
 
 
-def _array_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Like _to_device, for a numpy array."""
-    tensor = torch.from_numpy(array)
+def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Like _to_device, for a host tensor: the worker's one way of moving step inputs."""
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
@@ -120,7 +118,7 @@ def _scatter_token_rows(
         indices = np.empty((2, num_tokens), dtype=np.int64)
         indices[0] = np.repeat(np.arange(len(rows), dtype=np.int64), lengths)
         indices[1] = np.fromiter(flat, dtype=np.int64, count=num_tokens)
-        row_ids, token_ids = _array_to_device(indices, device)
+        row_ids, token_ids = host_to_device(torch.from_numpy(indices), device)
         one = torch.ones((), dtype=dtype, device=device)
         counts.index_put_((row_ids, token_ids.clamp(0, vocab_size)), one, accumulate=dtype != torch.bool)
     return counts[:, :vocab_size]
@@ -238,10 +236,10 @@ def _row_values(
 ) -> torch.Tensor | None:
     """A [B] float32 tensor of value_of(p) for sampled rows where is_active(p), else of the neutral
     value_of(SequenceSamplingParams()); None when no sampled row is active."""
-    neutral = value_of(SequenceSamplingParams())
     active = [not p.is_greedy and is_active(p) for p in params]
     if not any(active):
         return None
+    neutral = value_of(SequenceSamplingParams())
     values = [value_of(p) if a else neutral for p, a in zip(params, active, strict=True)]
     return _to_device(values, torch.float32, device)
 

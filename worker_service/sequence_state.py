@@ -24,10 +24,6 @@ class WorkerSequence:
     # The sampler's view of `sampling`, converted once on first use.
     sampling_params: Any = None
 
-    @property
-    def num_output_tokens(self) -> int:
-        return self.num_tokens - self.num_prompt_tokens
-
     @classmethod
     def from_message(cls, message: worker_pb2.NewSequence) -> WorkerSequence:
         sampling = message.sampling

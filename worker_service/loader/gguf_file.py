@@ -33,11 +33,6 @@ class GGUFTensorInfo:
     offset: int  # absolute byte offset in the file
     num_bytes: int | None  # None when the type is one this package cannot decode
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """Row-major (PyTorch) shape."""
-        return tuple(reversed(self.ggml_shape))
-
 
 class GGUFFile:
     """Parsed header of a GGUF file: `metadata` (key -> value) and `tensors` (name -> info), in file order.

@@ -39,14 +39,17 @@ _BLOCK_NAMES = {
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # tensors llama.cpp adds that have no HF counterpart: rope_freqs is read into the config (llama3 rope scaling)
 _IGNORED = re.compile(r"rope_freqs\.weight|blk\.\d+\.attn_rot_embd\.weight")
-# general.file_type -> the dtype the weights were stored in; quantized files dequantize to float32
-_FILE_TYPE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
 
 
-def gguf_model_config(path: str | Path) -> ModelConfig:
+def gguf_model_config(source: str | Path | GGUFFile) -> ModelConfig:
     """Builds the project's ModelConfig from a GGUF file's metadata (and its tensor shapes where the
-    metadata is silent). torch_dtype is the file's dtype for unquantized files, else float32."""
-    return _model_config(GGUFFile(path))
+    metadata is silent)."""
+    return _model_config(_open(source))
+
+
+def _open(source: str | Path | GGUFFile) -> GGUFFile:
+    """Parsing the header takes a while on a large vocabulary: a loader parses it once and passes the file."""
+    return source if isinstance(source, GGUFFile) else GGUFFile(source)
 
 
 def _model_config(gguf: GGUFFile) -> ModelConfig:
@@ -80,18 +83,17 @@ def _model_config(gguf: GGUFFile) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in gguf.tensors,
         rope_scaling=_rope_scaling(gguf, get, rope_theta),
         eos_token_ids=_eos_token_ids(meta),
-        torch_dtype=_FILE_TYPE_DTYPES.get(int(meta.get("general.file_type", 0)), "float32"),
     )
 
 
-def iter_gguf_hf_tensors(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
+def iter_gguf_hf_tensors(source: str | Path | GGUFFile) -> Iterator[tuple[str, np.ndarray]]:
     """Yields (HF parameter name, float32 array in HF layout) for every weight of a GGUF file, in file order.
 
     Dequantizes one tensor at a time. For llama files the q/k projection rows are put back in HF order
     (llama.cpp's converter interleaves the two rotary halves of each head). No lm_head.weight is yielded
     when the embeddings are tied (the file has no output.weight).
     """
-    gguf = GGUFFile(path)
+    gguf = _open(source)
     config = _model_config(gguf)
     is_permuted = config.architecture == "llama"
     for gguf_name in gguf.tensors:
