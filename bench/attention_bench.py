@@ -3,6 +3,7 @@ heads, head_dim 128, bf16), against torch SDPA on contiguous tensors holding the
 
     python bench/attention_bench.py            # decode grid + prefill, then a summary table
     python bench/attention_bench.py --sweep    # also sweeps kernel tile sizes, warps, stages, splits
+    python bench/attention_bench.py --decode-sweep 256:1024   # only the decode sweep, at these shapes
 
 Decode: batch sizes 1, 8, 64, 256 x contexts 512, 1024, 4096 (every sequence at that context),
 block sizes 256 and 16; reports the achieved K+V read bandwidth (bytes of K and V read / median time)

@@ -61,9 +61,14 @@ def resolve_model(args: argparse.Namespace) -> str:
     return str(make_random_checkpoint(Path(args.work_dir) / "random-qwen3-0.6b"))
 
 
-def workload(args: argparse.Namespace, limit: int | None = None) -> tuple[list[list[int]], list[int]]:
-    prompts, max_tokens = bench_workload(args.num_seqs, args.max_input_len, args.max_output_len)
-    return (prompts[:limit], max_tokens[:limit]) if limit else (prompts, max_tokens)
+def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[int]]:
+    return bench_workload(args.num_seqs, args.max_input_len, args.max_output_len)
+
+
+def timed_slices(args: argparse.Namespace) -> dict[str, tuple[list[list[int]], list[int]]]:
+    """(prompts, max_tokens) of the timed runs: all requests, and the first --hf-num-seqs ("hf_slice")."""
+    prompts, max_tokens = workload(args)
+    return {"all": (prompts, max_tokens), "hf_slice": (prompts[:args.hf_num_seqs], max_tokens[:args.hf_num_seqs])}
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -81,8 +86,7 @@ def run_inprocess(args: argparse.Namespace, model: str) -> dict:
     llm = LLM(model, **engine_options(args))
     llm.generate([[1] * 100] * 8, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
     results = {}
-    for name, limit in (("all", None), ("hf_slice", args.hf_num_seqs)):
-        prompts, max_tokens = workload(args, limit)
+    for name, (prompts, max_tokens) in timed_slices(args).items():
         params = [SamplingParams(temperature=args.temperature, max_tokens=m, ignore_eos=True) for m in max_tokens]
         profiler = _profiler(args.profile if name == "all" else None)
         started = time.perf_counter()
@@ -109,26 +113,24 @@ def _profiler(path: str | None):
 
 
 def run_grpc(args: argparse.Namespace, model: str) -> dict:
-    from tests.services_harness import free_port
+    from tests.services_harness import cli, free_port, stop
 
     worker_port, port = free_port(), free_port()
-    python = [sys.executable, "-m", "common.cli", "--log-level", "WARNING"]
     worker_flags = ["--model", model, "--port", str(worker_port), "--max-model-len", str(args.max_model_len),
                     "--block-size", str(args.block_size), "--device", args.device,
                     "--max-num-seqs", str(args.max_num_seqs),
                     "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                     *(["--enforce-eager"] if args.enforce_eager else [])]
-    worker = subprocess.Popen([*python, "worker", *worker_flags], cwd=REPO_ROOT)
-    scheduler = subprocess.Popen([*python, "scheduler", "--worker", f"127.0.0.1:{worker_port}", "--port", str(port),
-                                  "--max-num-seqs", str(args.max_num_seqs),
-                                  "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                                  "--num-decode-steps", str(args.num_decode_steps)], cwd=REPO_ROOT)
+    worker = cli("worker", *worker_flags)
+    scheduler = cli("scheduler", "--worker", f"127.0.0.1:{worker_port}", "--port", str(port),
+                    "--max-num-seqs", str(args.max_num_seqs),
+                    "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                    "--num-decode-steps", str(args.num_decode_steps))
     try:
         return asyncio.run(_grpc_client(args, f"127.0.0.1:{port}"))
     finally:
-        for process in (scheduler, worker):
-            process.terminate()
-            process.wait(timeout=30)
+        stop(scheduler)
+        stop(worker)
 
 
 async def _grpc_client(args: argparse.Namespace, target: str) -> dict:
@@ -145,8 +147,7 @@ async def _grpc_client(args: argparse.Namespace, target: str) -> dict:
         warmup = [build_request([1] * 100, max_tokens=16, ignore_eos=True) for _ in range(8)]
         await asyncio.gather(*(stub.Generate(r) for r in warmup))
         results = {}
-        for name, limit in (("all", None), ("hf_slice", args.hf_num_seqs)):
-            prompts, max_tokens = workload(args, limit)
+        for name, (prompts, max_tokens) in timed_slices(args).items():
             requests = [build_request(p, max_tokens=m, temperature=args.temperature, ignore_eos=True)
                         for p, m in zip(prompts, max_tokens, strict=True)]
             started = time.perf_counter()
@@ -165,7 +166,7 @@ def run_hf(args: argparse.Namespace, model: str) -> dict:
     hf = hf.to("cuda" if torch.cuda.is_available() else "cpu").eval()
     config = GenerationConfig(max_new_tokens=args.max_output_len, do_sample=True, temperature=args.temperature,
                               top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0)
-    prompts, max_tokens = workload(args, args.hf_num_seqs)
+    prompts, max_tokens = timed_slices(args)["hf_slice"]
     manager = hf.init_continuous_batching(generation_config=config)
     manager.start()
     try:

@@ -10,6 +10,7 @@ import torch
 from common import SamplingParams
 from common.default_model import default_model_path
 from scheduler_service import LLM
+from tests.tiny_models import hf_greedy_continuations
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -39,15 +40,8 @@ def test_greedy_chat_equals_transformers_on_the_gguf(llm: LLM, hf_model) -> None
     prompts = [llm.tokenizer.apply_chat_template(chat, tokenize=True) for chat in CHATS]
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     ours = [r["token_ids"] for r in llm.generate(prompts, params, use_tqdm=False)]
-    expected = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NUM_NEW_TOKENS,
-                                    do_sample=False, pad_token_id=0)
-            expected.append(out[0, len(prompt):].tolist())
     assert all(len(tokens) == NUM_NEW_TOKENS for tokens in ours)
-    assert ours == expected
+    assert ours == hf_greedy_continuations(hf_model, prompts, NUM_NEW_TOKENS)
 
 
 def test_answers_the_capital_of_france(llm: LLM) -> None:

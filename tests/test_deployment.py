@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from tests.services_harness import REPO_ROOT, free_port, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +48,6 @@ def test_image_is_built_from_the_dockerfile_with_the_cli_entrypoint(compose: dic
 
 
 def test_health_command_reports_not_serving_without_a_server() -> None:
-    from tests.services_harness import free_port
-
-    result = subprocess.run([sys.executable, "-m", "common.cli", "health", "--target", f"127.0.0.1:{free_port()}",
-                             "--timeout", "1"], capture_output=True, text=True, cwd=REPO_ROOT)
+    result = run_cli("health", "--target", f"127.0.0.1:{free_port()}", "--timeout", "1")
     assert result.returncode == 1
     assert "UNAVAILABLE" in result.stderr

@@ -14,6 +14,7 @@ from tests.tiny_models import hf_greedy_generate, make_tiny_checkpoint
 
 NUM_NEW_TOKENS = 64
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+Case = tuple[Path, list[list[int]], list[list[int]]]  # checkpoint, prompts, transformers' continuations
 
 MODELS = {
     "qwen3-h4-kv2-d16": dict(arch="qwen3", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64),
@@ -33,28 +34,31 @@ def make_prompts(seed: int, vocab_size: int = 512) -> list[list[int]]:
     return prompts
 
 
-def hf_greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
-    return hf_greedy_generate(path, prompts, NUM_NEW_TOKENS)
-
-
 @pytest.fixture(scope="module", params=list(MODELS))
-def case(request, tmp_path_factory) -> tuple[Path, list[list[int]], list[list[int]]]:
+def case(request, tmp_path_factory) -> Case:
     spec = dict(MODELS[request.param])
     arch = spec.pop("arch")
     path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), arch, seed=len(request.param), **spec)
     prompts = make_prompts(seed=len(request.param))
-    return path, prompts, hf_greedy(path, prompts)
+    return path, prompts, hf_greedy_generate(path, prompts, NUM_NEW_TOKENS)
 
 
 def token_ids(results: list[dict]) -> list[list[int]]:
     return [r["token_ids"] for r in results]
 
 
-def test_greedy_batch_equals_transformers(case) -> None:
+def assert_generates_as_transformers(case: Case, **options) -> LLM:
+    """Generates the case's prompts with these engine options: the tokens equal transformers', and
+    every KV block is back in the pool afterwards."""
     path, prompts, expected = case
-    llm = LLM(str(path), block_size=16, num_kv_blocks=128)
+    llm = LLM(str(path), **options)
     assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
-    assert llm.engine.block_manager.num_free_blocks == 128
+    assert llm.engine.block_manager.num_free_blocks == options["num_kv_blocks"]
+    return llm
+
+
+def test_greedy_batch_equals_transformers(case) -> None:
+    assert_generates_as_transformers(case, block_size=16, num_kv_blocks=128)
 
 
 def test_prefix_cache_hits_keep_outputs_exact(case) -> None:
@@ -69,34 +73,22 @@ def test_prefix_cache_hits_keep_outputs_exact(case) -> None:
 
 
 def test_chunked_prefill_equals_transformers(case) -> None:
-    path, prompts, expected = case
-    llm = LLM(str(path), block_size=16, num_kv_blocks=128, max_num_batched_tokens=24)
-    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    assert_generates_as_transformers(case, block_size=16, num_kv_blocks=128, max_num_batched_tokens=24)
 
 
 def test_preemption_equals_transformers(case) -> None:
-    path, prompts, expected = case
-    llm = LLM(str(path), block_size=16, num_kv_blocks=12)
-    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    llm = assert_generates_as_transformers(case, block_size=16, num_kv_blocks=12)
     assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.block_manager.num_free_blocks == 12
 
 
 def test_block_size_256_equals_transformers(case) -> None:
-    path, prompts, expected = case
-    llm = LLM(str(path), block_size=256, num_kv_blocks=4)
-    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
-    assert llm.engine.block_manager.num_free_blocks == 4
+    assert_generates_as_transformers(case, block_size=256, num_kv_blocks=4)
 
 
 def test_single_iteration_decode_steps_equal_transformers(case) -> None:
-    path, prompts, expected = case
-    llm = LLM(str(path), block_size=16, num_kv_blocks=128, num_decode_steps=1)
-    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    assert_generates_as_transformers(case, block_size=16, num_kv_blocks=128, num_decode_steps=1)
 
 
 def test_eight_iteration_decode_steps_with_preemption_equal_transformers(case) -> None:
-    path, prompts, expected = case
-    llm = LLM(str(path), block_size=16, num_kv_blocks=16, num_decode_steps=8)
-    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
-    assert llm.engine.block_manager.num_free_blocks == 16
+    llm = assert_generates_as_transformers(case, block_size=16, num_kv_blocks=16, num_decode_steps=8)
+    assert llm.engine.scheduler.num_preemptions > 0

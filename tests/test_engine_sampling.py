@@ -2,6 +2,7 @@
 after preemption; bad options and sampling parameters raise ValueError naming the field."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,16 +23,13 @@ def model(tmp_path_factory) -> Path:
 def test_seeded_request_is_the_same_alone_and_in_a_mixed_batch(model: Path) -> None:
     llm = LLM(str(model), block_size=16, num_kv_blocks=64)
     alone = llm.generate([PROMPT], SEEDED, use_tqdm=False)[0]["token_ids"]
-    others = [[1, 2, 3], list(range(40, 90)), [7] * 12]
-    mixed_params = [SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True),
-                    SamplingParams(temperature=0.5, seed=9, max_tokens=50, ignore_eos=True),
-                    SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3, ignore_eos=True)]
-    batch = llm.generate([others[0], PROMPT, others[1], others[2]],
-                         [mixed_params[0], SEEDED, mixed_params[1], mixed_params[2]], use_tqdm=False)
-    assert batch[1]["token_ids"] == alone
+    prompts = [[1, 2, 3], PROMPT, list(range(40, 90)), [7] * 12]
+    params = [SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True), SEEDED,
+              SamplingParams(temperature=0.5, seed=9, max_tokens=50, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3, ignore_eos=True)]
+    assert llm.generate(prompts, params, use_tqdm=False)[1]["token_ids"] == alone
     # A different seed gives a different sequence (the seed is really used).
-    other_seed = SamplingParams(**{**SEEDED.__dict__, "seed": 4321})
-    assert llm.generate([PROMPT], other_seed, use_tqdm=False)[0]["token_ids"] != alone
+    assert llm.generate([PROMPT], replace(SEEDED, seed=4321), use_tqdm=False)[0]["token_ids"] != alone
 
 
 def test_seeded_request_survives_preemption(model: Path) -> None:

@@ -7,16 +7,14 @@ import io
 import re
 import shlex
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from common.client import GenerationClient
 from tests.grpcurl_tools import GRPCURL, json_messages
-from tests.services_harness import free_port, stop
+from tests.services_harness import REPO_ROOT, cli, free_port, stop
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+README = (REPO_ROOT / "README.md").read_text()
 
 
 def readme_blocks(language: str) -> list[str]:
@@ -36,8 +34,7 @@ def grpcurl_commands() -> list[list[str]]:
 @pytest.fixture(scope="module")
 def server() -> str:
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "common.cli", "--log-level", "WARNING", "serve",
-                                "--port", str(port), "--block-size", "16", "--cpu-kv-cache-gb", "0.25"])
+    process = cli("serve", "--port", str(port), "--block-size", "16", "--cpu-kv-cache-gb", "0.25")
     target = f"localhost:{port}"
     try:
         with GenerationClient(target) as client:

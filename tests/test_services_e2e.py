@@ -4,8 +4,6 @@ the Python client; compared with the offline LLM on the same checkpoint."""
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,6 +16,7 @@ from scheduler_service import LLM
 from tests.services_harness import (
     InProcessScheduler,
     free_port,
+    run_cli,
     start_scheduler,
     start_worker,
     stop,
@@ -108,8 +107,7 @@ def test_32_concurrent_streams_complete_correctly(services: GenerationClient, of
 
 
 def test_health_command_sees_the_scheduler_serving(services: GenerationClient) -> None:
-    result = subprocess.run([sys.executable, "-m", "common.cli", "health", "--target", services.target],
-                            capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+    result = run_cli("health", "--target", services.target)
     assert result.returncode == 0 and result.stdout.strip().endswith("SERVING")
 
 
@@ -221,18 +219,19 @@ def test_stop_string_split_across_tokens_over_grpc(services: GenerationClient, o
     pieces = [tokenizer.decode(expected["token_ids"][:n]) for n in range(len(expected["token_ids"]) + 1)]
     # The text of tokens 4..5 plus the first character of token 6: it crosses two token boundaries.
     start, end = len(pieces[4]), len(pieces[6]) + 1
-    stop = expected["text"][start:end]
-    assert len(stop) >= 2 and "\ufffd" not in stop
-    first = expected["text"].index(stop)
-    deltas = list(services.stream(PROMPTS[0], temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=[stop]))
+    stop_string = expected["text"][start:end]
+    assert len(stop_string) >= 2 and "\ufffd" not in stop_string
+    first = expected["text"].index(stop_string)
+    deltas = list(services.stream(PROMPTS[0], temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                  stop=[stop_string]))
     text = "".join(d.text for d in deltas)
     assert text == expected["text"][:first]
-    assert deltas[-1].finish_reason == "stop_sequence" and deltas[-1].matched_stop == stop
+    assert deltas[-1].finish_reason == "stop_sequence" and deltas[-1].matched_stop == stop_string
     streamed = ""
-    for delta in deltas:
+    for delta in deltas[:-1]:  # a possible start of the stop string is held back, never sent
         streamed += delta.text
-        assert stop not in streamed and not any(streamed.endswith(stop[:n]) for n in range(1, len(stop))) \
-            or delta is deltas[-1]
+        assert stop_string not in streamed
+        assert not any(streamed.endswith(stop_string[:n]) for n in range(1, len(stop_string)))
 
 
 def test_logprobs_over_grpc_equal_transformers(services: GenerationClient, small_model: Path) -> None:

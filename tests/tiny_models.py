@@ -1,6 +1,7 @@
 """Tiny random Hugging Face checkpoints (float32, safetensors) for CPU parity tests."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -108,15 +109,20 @@ def save_tiny_bpe_tokenizer(folder: Path, vocab_size: int = 512) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(folder / "tokenizer.json"))
     config = {"eos_token": "<|end|>", "chat_template": TINY_CHAT_TEMPLATE}
-    (folder / "tokenizer_config.json").write_text(__import__("json").dumps(config))
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
 
 
 def hf_greedy_generate(path: Path, prompts: list[list[int]], num_new_tokens: int) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt (float32, CPU, EOS ignored)."""
+    """transformers' greedy continuation of each prompt by the checkpoint at path (float32, CPU)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return hf_greedy_continuations(model, prompts, num_new_tokens)
+
+
+def hf_greedy_continuations(model: Any, prompts: list[list[int]], num_new_tokens: int) -> list[list[int]]:
+    """A loaded transformers model's greedy continuation of each prompt, one at a time, EOS ignored."""
     results = []
     with torch.no_grad():
         for prompt in prompts:
