@@ -43,9 +43,10 @@ def cli(*args: str) -> subprocess.Popen:
                             env=env)
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """Runs a `nanovllm` command to its end, its output captured as text."""
-    return subprocess.run([sys.executable, "-m", "common.cli", *args], capture_output=True, text=True, cwd=REPO_ROOT)
+    return subprocess.run([sys.executable, "-m", "common.cli", *args], capture_output=True, text=True, cwd=REPO_ROOT,
+                          timeout=timeout)
 
 
 def start_worker(model: Path, port: int) -> subprocess.Popen:

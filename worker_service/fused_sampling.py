@@ -28,13 +28,13 @@ import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
 from worker_service.attention.triton_common import num_sms
+from worker_service.sampler import FUSED_SAMPLING_DTYPES
 
 BLOCK = 4096  # columns per tile: a quarter (one Philox output) is 8 columns, 16 bytes of bf16, a thread
 NUM_WARPS = 4
 TARGET_WAVES = 3  # aim for this many programs per multiprocessor
 INTERPRETER_NUM_SMS = 4  # keeps the grid small when Triton's interpreter runs it on the CPU
 REDUCE_BLOCK = 32  # chunks per step of the reduction
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 NO_COLUMN = tl.constexpr(2**31 - 1)  # the column of a best that has seen no finite or infinite score
 
 
@@ -170,8 +170,8 @@ def gumbel_sample(logits: torch.Tensor, inv_temperatures: torch.Tensor, seed: in
     if logits.dim() != 2:
         raise ValueError(f"logits must be [num_rows, vocab_size], got shape {tuple(logits.shape)}")
     num_rows, vocab_size = logits.shape
-    if logits.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"logits must be one of {SUPPORTED_DTYPES}, got {logits.dtype}")
+    if logits.dtype not in FUSED_SAMPLING_DTYPES:
+        raise ValueError(f"logits must be one of {FUSED_SAMPLING_DTYPES}, got {logits.dtype}")
     if vocab_size == 0:
         raise ValueError("logits have an empty vocabulary")
     if tuple(inv_temperatures.shape) != (num_rows,) or inv_temperatures.dtype != torch.float32:

@@ -31,8 +31,9 @@ __all__ = [
     "seeded_exponential_noise",
 ]
 
-# What fused_sampling.gumbel_sample accepts (that module imports Triton, so it is imported only when used).
-_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# What fused_sampling.gumbel_sample accepts (defined here: that module imports Triton, so it is
+# imported only when used).
+FUSED_SAMPLING_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Exp(1) draws can be exactly 0 (a uniform draw of 1); p / 0 would beat every real candidate, and
 # 0 / 0 = NaN would let argmax pick a filtered token.
 _MIN_NOISE = torch.finfo(torch.float32).tiny
@@ -88,7 +89,7 @@ class Sampler:
         """Whether this call samples with the fused kernel (see the class docstring)."""
         if self.fused is False or not batch.is_plain_temperature or batch.is_all_greedy:
             return False
-        if logits.dtype not in _FUSED_DTYPES:
+        if logits.dtype not in FUSED_SAMPLING_DTYPES:
             return False
         if logits.is_cuda:
             return True

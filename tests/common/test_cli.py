@@ -1,13 +1,9 @@
 """The `nanovllm` command line: bad option values get a one-line error naming the option."""
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+from tests.services_harness import run_cli
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -17,7 +13,6 @@ REPO_ROOT = Path(__file__).resolve().parent.parent.parent
     (["worker", "--model", "/nonexistent", "--block-size", "24"], "block_size: must be a power of two >= 16, got 24"),
 ])
 def test_bad_option_values_exit_2_naming_the_option(args: list[str], message: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "common.cli", *args], capture_output=True, text=True,
-                            cwd=REPO_ROOT, timeout=120)
+    result = run_cli(*args)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == f"nanovllm {args[0]}: {message}"

@@ -3,7 +3,7 @@ health, cancellation and reflection (the real grpcurl binary in test_public_serv
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -15,6 +15,7 @@ from common.generated.nanovllm.generate.v1 import generate_pb2
 from scheduler_service.public_server import SERVICE_NAME
 from scheduler_service.tokenizer import load_tokenizer
 from tests.scheduler_service.public_server_harness import EOS_ID, FakeEngine, ServerThread, save_tiny_tokenizer
+from tests.services_harness import wait_until
 
 MAX_MODEL_LEN = 32
 VOCAB_SIZE = 20
@@ -46,13 +47,6 @@ def client(server: ServerThread) -> Iterator[GenerationClient]:
     with GenerationClient(server.target, timeout=10) as client:
         client.wait_ready(timeout=5)
         yield client
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 def test_generate_round_trip(client: GenerationClient, engine: FakeEngine, tokenizer) -> None:
@@ -199,7 +193,7 @@ def test_unavailable_while_not_ready(client: GenerationClient, engine: FakeEngin
         with pytest.raises(grpc.RpcError) as error:
             call()
         assert error.value.code() == grpc.StatusCode.UNAVAILABLE
-    wait_until(lambda: client.health_status() == "NOT_SERVING")
+    wait_until(lambda: client.health_status() == "NOT_SERVING", 5.0, "health NOT_SERVING")
     engine.ready = True
     client.wait_ready(timeout=5)
 
@@ -238,7 +232,7 @@ def test_cancelled_stream_closes_the_engine_request(client: GenerationClient, en
     stream = client.stream("hello")
     assert next(stream).text == "hello"
     stream.close()  # cancels the call
-    wait_until(lambda: engine.num_closed == num_closed + 1)
+    wait_until(lambda: engine.num_closed == num_closed + 1, 5.0, "the generator closed")
 
 
 def test_deadline_closes_the_engine_request(client: GenerationClient, engine: FakeEngine) -> None:
@@ -247,7 +241,7 @@ def test_deadline_closes_the_engine_request(client: GenerationClient, engine: Fa
     with pytest.raises(grpc.RpcError) as error:
         client.generate("hello", timeout=0.3)
     assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_until(lambda: engine.num_closed == num_closed + 1)
+    wait_until(lambda: engine.num_closed == num_closed + 1, 5.0, "the generator closed")
 
 
 def test_reflection_lists_the_services(server: ServerThread) -> None:
