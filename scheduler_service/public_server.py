@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import socket
 from collections.abc import AsyncGenerator, AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
@@ -38,6 +40,25 @@ MAX_PENDING_CALLS = 1 << 20
 
 class PortInUseError(OSError):
     """The public port could not be bound (another process holds it)."""
+
+
+def _check_port_free(host: str, port: int, address: str) -> None:
+    """Raises PortInUseError when another socket listens on host:port. grpcio would find out too, but
+    would log a multi-line error of its own first; this way the operator reads one line."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return  # grpcio reports the bad address
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpcio: TIME_WAIT is no conflict
+            try:
+                probe.bind(sockaddr)
+            except OSError as error:
+                if error.errno == errno.EADDRINUSE:
+                    raise PortInUseError(f"public port {address} is in use by another process") from error
 
 
 class Engine(Protocol):
@@ -228,6 +249,7 @@ def build_public_server(engine: Engine, host: str, port: int, *,
         reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server,
                                             pool=public_descriptor_pool())
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    _check_port_free(host, port, address)
     try:
         if config.tls_cert is not None and config.tls_key is not None:
             credentials = ReloadingCertificates(config.tls_cert, config.tls_key, config.tls_client_ca)
