@@ -42,11 +42,17 @@ class PortInUseError(OSError):
     """The public port could not be bound (another process holds it)."""
 
 
-def _check_port_free(host: str, port: int, address: str) -> None:
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def check_port_free(host: str, port: int) -> None:
     """Raises PortInUseError when another socket listens on host:port. grpcio would find out too, but
-    would log a multi-line error of its own first; this way the operator reads one line."""
+    would log a multi-line error of its own first; this way the operator reads one line, and
+    start-up can check before the slow steps (loading a model) rather than after."""
     if port == 0:
         return
+    address = _address(host, port)
     try:
         infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
     except socket.gaierror:
@@ -248,8 +254,8 @@ def build_public_server(engine: Engine, host: str, port: int, *,
     if config.reflection:
         reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server,
                                             pool=public_descriptor_pool())
-    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-    _check_port_free(host, port, address)
+    address = _address(host, port)
+    check_port_free(host, port)
     try:
         if config.tls_cert is not None and config.tls_key is not None:
             credentials = ReloadingCertificates(config.tls_cert, config.tls_key, config.tls_client_ca)
