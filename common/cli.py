@@ -89,20 +89,21 @@ def public_server_config_from(args: argparse.Namespace):
                               reflection=args.reflection, max_concurrent_calls=args.max_concurrent_calls)
 
 
-def check_health(target: str, timeout: float) -> int:
+def check_health(args: argparse.Namespace) -> int:
     """grpc.health.v1 Check of the whole server: 0 when SERVING (for container health checks)."""
     import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from common.client import GenerationClient
+
+    tls = {"ca_cert": args.ca_cert, "client_cert": args.client_cert, "client_key": args.client_key}
     try:
-        with grpc.insecure_channel(target) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        with GenerationClient(args.target, timeout=args.timeout, **tls) as client:
+            status = client.health_status()
     except grpc.RpcError as error:
-        print(f"{target}: {error.code().name}", file=sys.stderr)
+        print(f"{args.target}: {error.code().name}", file=sys.stderr)
         return 1
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    print(f"{target}: {status}")
-    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+    print(f"{args.target}: {status}")
+    return 0 if status == "SERVING" else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     health = add_parser("health", "exit 0 if the server at --target reports SERVING")
     health.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORT}", help="host:port of a public port")
     health.add_argument("--timeout", type=float, default=3.0, help="seconds")
+    health.add_argument("--ca-cert", help="PEM CA of a TLS public port (None: plaintext)")
+    health.add_argument("--client-cert", help="PEM client certificate, for a port that requires one (mTLS)")
+    health.add_argument("--client-key", help="PEM key of --client-cert")
 
     serve = add_parser("serve", "start a worker and the scheduler on this machine")
     add_worker_options(serve)
@@ -157,7 +161,7 @@ def _run(args: argparse.Namespace) -> int:
 
         return run_worker(args)
     if args.command == "health":
-        return check_health(args.target, args.timeout)
+        return check_health(args)
     if args.command == "scheduler":
         from scheduler_service.main import run_scheduler
 

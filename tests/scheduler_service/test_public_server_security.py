@@ -19,6 +19,7 @@ from scheduler_service.tokenizer import load_tokenizer
 from tests.certificates import CertificateAuthority, replace_file
 from tests.grpcurl_tools import GRPCURL, json_messages
 from tests.scheduler_service.public_server_harness import FakeEngine, ServerThread, save_tiny_tokenizer
+from tests.services_harness import run_cli
 
 KEY_1 = "key-one-0123456789abcdef"
 KEY_2 = "key-two-fedcba9876543210-longer"
@@ -188,3 +189,10 @@ def test_reflection_can_be_turned_off(tokenizer) -> None:
         assert listed.returncode != 0 and "server does not support the reflection API" in listed.stderr
     finally:
         server.stop()
+
+
+def test_health_command_over_tls(tls_server: ServerThread, tls_files: dict[str, Path]) -> None:
+    target = localhost(tls_server)
+    result = run_cli("health", "--target", target, "--ca-cert", str(tls_files["ca"]), timeout=60)
+    assert (result.returncode, result.stdout) == (0, f"{target}: SERVING\n")
+    assert run_cli("health", "--target", target, timeout=60).returncode == 1  # plaintext to a TLS port
