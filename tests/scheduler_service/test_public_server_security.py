@@ -3,6 +3,8 @@ grpcurl binary: missing or wrong keys get UNAUTHENTICATED, health stays open, ke
 are re-read when their files change, keys never reach a log line."""
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import subprocess
 from collections.abc import Iterator
@@ -196,3 +198,27 @@ def test_health_command_over_tls(tls_server: ServerThread, tls_files: dict[str, 
     result = run_cli("health", "--target", target, "--ca-cert", str(tls_files["ca"]), timeout=60)
     assert (result.returncode, result.stdout) == (0, f"{target}: SERVING\n")
     assert run_cli("health", "--target", target, timeout=60).returncode == 1  # plaintext to a TLS port
+
+
+@needs_grpcurl
+def test_the_readme_tls_examples_run(tls_server: ServerThread, tls_files: dict[str, Path],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's grpcurl -cacert -H commands and its TLS Python client, against a TLS server whose
+    key is in $NANOVLLM_API_KEY."""
+    from tests.test_readme_examples import grpcurl_commands, readme_blocks
+
+    target = localhost(tls_server)
+    substitutions = {"ca.pem": str(tls_files["ca"]), "localhost:50051": target,
+                     "authorization: Bearer $NANOVLLM_API_KEY": f"authorization: Bearer {KEY_1}"}
+    commands = [command for command in grpcurl_commands() if "-cacert" in command]
+    assert len(commands) == 2
+    for command in commands:
+        result = grpcurl(*[substitutions.get(arg, arg) for arg in command[1:]])
+        assert result.returncode == 0, result.stderr
+    [example] = [block for block in readme_blocks("python") if "ca_cert" in block]
+    monkeypatch.setenv("NANOVLLM_API_KEY", KEY_1)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(example.replace("localhost:50051", target).replace('"ca.pem"', repr(str(tls_files["ca"]))),
+                     "README.md", "exec"), {})
+    assert printed.getvalue() == "hello world\n"
