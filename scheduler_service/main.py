@@ -15,6 +15,7 @@ from common.gc_pauses import freeze_startup_objects
 from scheduler_service.api_keys import ApiKeys
 from scheduler_service.async_engine import AsyncEngine
 from scheduler_service.public_server import PublicServer, build_public_server, check_port_free
+from scheduler_service.public_tls import check_readable
 from scheduler_service.tokenizer import eos_token_ids, load_tokenizer
 from scheduler_service.worker_client import GrpcWorkerClient
 
@@ -50,6 +51,8 @@ async def _start(args: argparse.Namespace, tokenizer_path: str | None) -> tuple[
     config = scheduler_config_from(args)  # bad options fail here, before waiting for a worker
     public_config = public_server_config_from(args)
     api_keys = ApiKeys.from_config(public_config.api_key_file)
+    check_readable({"tls_cert": public_config.tls_cert, "tls_key": public_config.tls_key,
+                    "tls_client_ca": public_config.tls_client_ca})
     check_port_free(args.host, args.port)  # now, not after waiting for a worker
     # One lane per worker address: data parallelism, a block pool per worker.
     workers = [GrpcWorkerClient(address.strip()) for address in args.worker.split(",") if address.strip()]

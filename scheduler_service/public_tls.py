@@ -25,6 +25,17 @@ def _read(path: str) -> bytes:
         return file.read()
 
 
+def check_readable(files: dict[str, str | None]) -> None:
+    """Raises ValueError naming the option whose file cannot be read (start-up: before the slow steps)."""
+    for option, path in files.items():
+        if path is None:
+            continue
+        try:
+            _read(path)
+        except OSError as error:
+            raise ValueError(f"{option}: cannot read {path}: {error.__class__.__name__}") from error
+
+
 class ReloadingCertificates:
     """The certificate configuration of the files at cert_path, key_path and client_ca_path (optional),
     read again whenever one of the files changes."""

@@ -125,6 +125,7 @@ class AdmitsEight(FakeEngine):
             yield output
 
 
+@pytest.mark.slow
 def test_5000_concurrent_calls_end_in_success_or_resource_exhausted(tokenizer) -> None:
     """grpcio cancelled 2,116 of 5,000 such calls (its pending-call limits) before any reached the
     queue limit; now every call but the 8 held ones reaches the engine and is refused by name."""
