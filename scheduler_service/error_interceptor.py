@@ -76,7 +76,10 @@ class CallLimiter:
 
     @contextlib.contextmanager
     def admit(self, method: str) -> Iterator[None]:
-        if self.limit is not None and method not in _UNLIMITED_METHODS and self.num_calls >= self.limit:
+        if method in _UNLIMITED_METHODS:  # neither refused nor counted (a Watch lasts as long as its client)
+            yield
+            return
+        if self.limit is not None and self.num_calls >= self.limit:
             raise OverloadError(f"server: {self.limit} calls in progress, the limit (--max-concurrent-calls)")
         self.num_calls += 1
         try:
