@@ -200,3 +200,11 @@ def test_the_scheduler_exits_with_one_line_naming_a_port_in_use(tmp_path) -> Non
                          "--tokenizer", str(save_tiny_tokenizer(tmp_path / "tokenizer")), timeout=60)
     assert result.returncode == 1
     assert result.stderr == f"nanovllm scheduler: public port 127.0.0.1:{port} is in use by another process\n"
+
+
+def test_an_unparsable_reflection_request_is_invalid_argument(client: GenerationClient) -> None:
+    call = client.channel.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                                        request_serializer=None, response_deserializer=None)
+    with pytest.raises(grpc.RpcError) as raised:
+        list(call(iter([NOT_PROTOBUF]), timeout=10))
+    assert (raised.value.code(), raised.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, MALFORMED_MESSAGE)
