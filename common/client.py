@@ -6,6 +6,10 @@
         for delta in client.stream(messages=[{"role": "user", "content": "Hi!"}], max_tokens=64):
             print(delta.text, end="", flush=True)
 
+Over TLS with an API key (the server's --tls-cert / --api-key-file):
+
+    GenerationClient("api.example:50051", ca_cert="ca.pem", api_key=os.environ["NANOVLLM_API_KEY"])
+
 Errors arrive as grpc.RpcError (code() and details() say what was wrong, e.g. INVALID_ARGUMENT
 "max_tokens: ..."); leaving a stream early cancels the request on the server.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -115,16 +120,41 @@ def _usage(usage: generate_pb2.Usage) -> Usage:
     return Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
 
 
+def _read(path: str | Path | None) -> bytes | None:
+    return None if path is None else Path(path).read_bytes()
+
+
+def channel_credentials(ca_cert: str | Path | None = None, client_cert: str | Path | None = None,
+                        client_key: str | Path | None = None) -> grpc.ChannelCredentials:
+    """TLS credentials from PEM files: the CA that signed the server's certificate (None: the system's
+    roots) and, for mTLS, this client's certificate and key."""
+    if (client_cert is None) != (client_key is None):
+        raise TypeError("pass client_cert and client_key together")
+    return grpc.ssl_channel_credentials(root_certificates=_read(ca_cert), private_key=_read(client_key),
+                                        certificate_chain=_read(client_cert))
+
+
 class GenerationClient:
     """Client of one server. `timeout` (seconds) is the default deadline of every call; None waits
-    forever. Usable as a context manager, which closes the channel."""
+    forever. Usable as a context manager, which closes the channel.
 
-    def __init__(self, target: str, *, timeout: float | None = None) -> None:
+    TLS when `tls` is true or any of ca_cert, client_cert, client_key is given (PEM file paths; no
+    ca_cert: the system's root certificates). `api_key` is sent as `authorization: Bearer <key>`
+    with every call."""
+
+    def __init__(self, target: str, *, timeout: float | None = None, tls: bool = False,
+                 ca_cert: str | Path | None = None, client_cert: str | Path | None = None,
+                 client_key: str | Path | None = None, api_key: str | None = None) -> None:
         self.target = target
         self.timeout = timeout
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         # The same keepalive and message-size options as the server expects: pings during long
         # prefills keep the quiet connection alive through proxies.
-        self.channel = grpc.insecure_channel(target, options=grpc_options.channel_options())
+        if tls or ca_cert is not None or client_cert is not None or client_key is not None:
+            credentials = channel_credentials(ca_cert, client_cert, client_key)
+            self.channel = grpc.secure_channel(target, credentials, options=grpc_options.channel_options())
+        else:
+            self.channel = grpc.insecure_channel(target, options=grpc_options.channel_options())
         self.stub = generate_pb2_grpc.TextGenerationStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -132,7 +162,7 @@ class GenerationClient:
                  request_id: str = "", timeout: float | None = None, **sampling: object) -> GenerationResult:
         """Generates a whole completion; see GenerateRequest in generate.proto for the arguments."""
         request = build_request(prompt, messages=messages, request_id=request_id, **sampling)
-        response = self.stub.Generate(request, timeout=self._timeout(timeout))
+        response = self.stub.Generate(request, timeout=self._timeout(timeout), metadata=self._metadata)
         return GenerationResult(
             request_id=response.request_id, text=response.text, token_ids=list(response.token_ids),
             finish_reason=_finish_reason(response.finish_reason) or "", matched_stop=_matched_stop(response),
@@ -143,7 +173,7 @@ class GenerationClient:
         """Yields deltas as they are generated; the last one has finish_reason and usage set.
         Stopping the iteration early (break, close()) cancels the request on the server."""
         request = build_request(prompt, messages=messages, request_id=request_id, **sampling)
-        call = self.stub.GenerateStream(request, timeout=self._timeout(timeout))
+        call = self.stub.GenerateStream(request, timeout=self._timeout(timeout), metadata=self._metadata)
         try:
             for message in call:
                 yield StreamDelta(
@@ -165,19 +195,21 @@ class GenerationClient:
             request.text = text  # type: ignore[assignment]
         if add_special_tokens is not None:
             request.add_special_tokens = add_special_tokens
-        return list(self.stub.Tokenize(request, timeout=self._timeout(timeout)).token_ids)
+        return list(self.stub.Tokenize(request, timeout=self._timeout(timeout), metadata=self._metadata).token_ids)
 
     def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False,
                    timeout: float | None = None) -> str:
         request = generate_pb2.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
-        return self.stub.Detokenize(request, timeout=self._timeout(timeout)).text
+        return self.stub.Detokenize(request, timeout=self._timeout(timeout), metadata=self._metadata).text
 
     def model_info(self, *, timeout: float | None = None) -> generate_pb2.GetModelInfoResponse:
-        return self.stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=self._timeout(timeout))
+        return self.stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=self._timeout(timeout),
+                                 metadata=self._metadata)
 
     def health_status(self, service: str = "", *, timeout: float | None = None) -> str:
         """The grpc.health.v1 status of `service` ("" = the whole server): SERVING, NOT_SERVING, ..."""
-        response = self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=self._timeout(timeout))
+        response = self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=self._timeout(timeout),
+                                     metadata=self._metadata)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
     def wait_ready(self, timeout: float) -> None:

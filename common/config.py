@@ -34,6 +34,35 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class PublicServerConfig:
+    """The scheduler's public port: address, TLS, API keys, reflection and admission limits.
+
+    TLS files are re-read when they change (new connections see the new certificate); so is the
+    API key file (one key per line). Keys may also come from the NANOVLLM_API_KEYS environment
+    variable (comma-separated), never from a command-line value, which `ps` would show.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    tls_cert: str | None = None  # PEM certificate chain
+    tls_key: str | None = None  # PEM private key
+    tls_client_ca: str | None = None  # PEM CA bundle: clients must present a certificate it signed (mTLS)
+    api_key_file: str | None = None
+    reflection: bool = True  # with API keys configured, reflection needs a key like every other method
+    # Calls handled at once (health excepted); beyond it, RESOURCE_EXHAUSTED names this limit.
+    max_concurrent_calls: int = 16384
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
+        _require((self.tls_cert is None) == (self.tls_key is None), "tls_cert",
+                 "--tls-cert and --tls-key go together")
+        _require(self.tls_client_ca is None or self.tls_cert is not None, "tls_client_ca",
+                 "needs --tls-cert and --tls-key")
+        _require(self.max_concurrent_calls >= 1, "max_concurrent_calls",
+                 f"must be >= 1, got {self.max_concurrent_calls}")
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
     """What a worker loads and how much memory its KV cache may take."""
 

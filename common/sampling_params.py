@@ -1,13 +1,16 @@
 """Sampling and stopping parameters of one request, validated once at the edge."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from common.generated.nanovllm.worker.v1 import worker_pb2
+from common.quoting import quote
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_TOP_LOGPROBS = 20
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,11 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        # NaN fails every comparison below but infinity passes some (temperature >= 0): refuse both.
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            _check(isinstance(value, int | float) and math.isfinite(value), name,
+                   f"must be a finite number, got {quote(value)}")
         _check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(self.top_k == -1 or self.top_k >= 1, "top_k", f"must be -1 (all) or >= 1, got {self.top_k}")
         _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -52,7 +60,7 @@ class SamplingParams:
                f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for text in self.stop:
             _check(isinstance(text, str) and 0 < len(text) <= MAX_STOP_STRING_CHARS, "stop",
-                   f"each stop string must have 1..{MAX_STOP_STRING_CHARS} characters, got {text!r}")
+                   f"each stop string must have 1..{MAX_STOP_STRING_CHARS} characters, got {quote(text)}")
         for token_id in self.stop_token_ids:
             _check(isinstance(token_id, int) and token_id >= 0, "stop_token_ids", f"must be >= 0, got {token_id}")
         _check(0 <= self.num_top_logprobs <= MAX_TOP_LOGPROBS, "num_top_logprobs",

@@ -11,5 +11,9 @@ class QueueFullError(RuntimeError):
     """Too many requests are queued (RESOURCE_EXHAUSTED)."""
 
 
+class OverloadError(RuntimeError):
+    """More calls at once than the public server admits (RESOURCE_EXHAUSTED)."""
+
+
 class EngineUnavailableError(RuntimeError):
     """No worker is ready, or the service is draining (UNAVAILABLE)."""

@@ -1,6 +1,6 @@
 """`nanovllm scheduler`: the public gRPC server driving one worker, until SIGTERM or SIGINT.
 
-On SIGTERM: health turns NOT_SERVING and new requests get UNAVAILABLE; requests in flight have
+On SIGTERM or SIGINT (the same): health turns NOT_SERVING and new requests get UNAVAILABLE; requests in flight have
 --shutdown-grace seconds to finish; then the process exits.
 """
 from __future__ import annotations
@@ -10,10 +10,12 @@ import asyncio
 import logging
 import signal
 
-from common.cli import scheduler_config_from
+from common.cli import public_server_config_from, scheduler_config_from
 from common.gc_pauses import freeze_startup_objects
+from scheduler_service.api_keys import ApiKeys
 from scheduler_service.async_engine import AsyncEngine
-from scheduler_service.public_server import build_public_server
+from scheduler_service.public_server import PublicServer, build_public_server, check_port_free
+from scheduler_service.public_tls import check_readable
 from scheduler_service.tokenizer import eos_token_ids, load_tokenizer
 from scheduler_service.worker_client import GrpcWorkerClient
 
@@ -22,7 +24,36 @@ logger = logging.getLogger(__name__)
 
 async def run_scheduler_async(args: argparse.Namespace, tokenizer_path: str | None,
                               stop: asyncio.Event | None = None) -> None:
+    # SIGINT (Ctrl-C) and SIGTERM both drain, from the first moment: before the server is up they end
+    # start-up at once (a bare SIGTERM would kill the process and orphan `serve`'s worker).
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    started = asyncio.create_task(_start(args, tokenizer_path))
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait([started, stopped], return_when=asyncio.FIRST_COMPLETED)
+    if not started.done():
+        started.cancel()
+        stopped.cancel()
+        logger.info("stopped during start-up")
+        return
+    engine, server = started.result()  # raises start-up errors (bad options, port in use)
+    await stopped
+    logger.info("draining: new requests get UNAVAILABLE, %.0f s for those in flight", args.shutdown_grace)
+    await server.set_not_serving()
+    await engine.shutdown(args.shutdown_grace)
+    await server.stop(1.0)
+    logger.info("scheduler stopped")
+
+
+async def _start(args: argparse.Namespace, tokenizer_path: str | None) -> tuple[AsyncEngine, PublicServer]:
     config = scheduler_config_from(args)  # bad options fail here, before waiting for a worker
+    public_config = public_server_config_from(args)
+    api_keys = ApiKeys.from_config(public_config.api_key_file)
+    check_readable({"tls_cert": public_config.tls_cert, "tls_key": public_config.tls_key,
+                    "tls_client_ca": public_config.tls_client_ca})
+    check_port_free(args.host, args.port)  # now, not after waiting for a worker
     # One lane per worker address: data parallelism, a block pool per worker.
     workers = [GrpcWorkerClient(address.strip()) for address in args.worker.split(",") if address.strip()]
     if tokenizer_path is None:
@@ -30,21 +61,13 @@ async def run_scheduler_async(args: argparse.Namespace, tokenizer_path: str | No
     tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_path)
     engine = await AsyncEngine.start(config, workers, tokenizer,
                                      eos_token_ids(tokenizer_path, tokenizer))
-    server = build_public_server(engine, args.host, args.port)
+    server = build_public_server(engine, args.host, args.port, config=public_config, api_keys=api_keys)
     await server.start()
     freeze_startup_objects()
-    logger.info("scheduler listening on %s:%d (worker %s); health is SERVING once the worker is ready",
-                args.host, server.port, args.worker)
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
-    logger.info("draining: new requests get UNAVAILABLE, %.0f s for those in flight", args.shutdown_grace)
-    await server.set_not_serving()
-    await engine.shutdown(args.shutdown_grace)
-    await server.stop(1.0)
-    logger.info("scheduler stopped")
+    logger.info("scheduler listening on %s:%d (%s, %s; worker %s); health is SERVING once the worker is ready",
+                args.host, server.port, "TLS" if public_config.tls_cert else "plaintext",
+                "API keys required" if api_keys else "no API keys", args.worker)
+    return engine, server
 
 
 async def _worker_model_path(worker: GrpcWorkerClient) -> str:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import socket
 from collections.abc import AsyncGenerator, AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
@@ -18,17 +20,51 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common import grpc_options
+from common.config import PublicServerConfig
 from common.generated.nanovllm.generate.v1 import generate_pb2, generate_pb2_grpc
 from common.sampling_params import SamplingParams
 from scheduler_service import request_conversion as convert
+from scheduler_service.api_keys import ApiKeyInterceptor, ApiKeys
 from scheduler_service.async_engine import ModelInfo, RequestOutput
 from scheduler_service.error_interceptor import ErrorMappingInterceptor
 from scheduler_service.errors import RequestError
+from scheduler_service.public_tls import ReloadingCertificates
+from scheduler_service.reflection_pool import public_descriptor_pool
 from scheduler_service.response_conversion import ResponseAccumulator, model_info_response, stream_response
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["TextGeneration"].full_name
+MAX_PENDING_CALLS = 1 << 20
+
+
+class PortInUseError(OSError):
+    """The public port could not be bound (another process holds it)."""
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raises PortInUseError when another socket listens on host:port. grpcio would find out too, but
+    would log a multi-line error of its own first; this way the operator reads one line, and
+    start-up can check before the slow steps (loading a model) rather than after."""
+    if port == 0:
+        return
+    address = _address(host, port)
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return  # grpcio reports the bad address
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpcio: TIME_WAIT is no conflict
+            try:
+                probe.bind(sockaddr)
+            except OSError as error:
+                if error.errno == errno.EADDRINUSE:
+                    raise PortInUseError(f"public port {address} is in use by another process") from error
 
 
 class Engine(Protocol):
@@ -183,23 +219,50 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
     options = dict(grpc_options.server_options())
     options["grpc.max_send_message_length"] = max_message_bytes
     options["grpc.max_receive_message_length"] = max_message_bytes
+    # grpc core cancels calls that wait for the application beyond its pending-request limits
+    # (1,000 soft, 3,000 hard by default) or 30 s: under a burst of calls the clients saw CANCELLED,
+    # which only a client may cause. Raised far above the server's own admission limit
+    # (max_concurrent_calls), which answers RESOURCE_EXHAUSTED instead.
+    options["grpc.server.max_pending_requests"] = MAX_PENDING_CALLS
+    options["grpc.server.max_pending_requests_hard_limit"] = MAX_PENDING_CALLS
+    options["grpc.server_max_unrequested_time_in_server"] = 3600
+    # A second server on the same port must fail to bind, not silently share the traffic.
+    options["grpc.so_reuseport"] = 0
     return list(options.items())
 
 
 def build_public_server(engine: Engine, host: str, port: int, *,
                         max_message_bytes: int = grpc_options.MAX_MESSAGE_BYTES,
-                        readiness_poll_s: float = 0.5) -> PublicServer:
+                        readiness_poll_s: float = 0.5, config: PublicServerConfig | None = None,
+                        api_keys: ApiKeys | None = None) -> PublicServer:
     """Builds the server and binds host:port (port 0 picks a free one); call `await start()`.
 
-    Must run inside the event loop that will serve it (grpc.aio binds the server to that loop).
+    `config` adds TLS, reflection and the admission limit (its host and port are not used: the
+    arguments are); `api_keys` makes every call but health checks need a key. Raises
+    PortInUseError when the port is taken. Must run inside the event loop that will serve it
+    (grpc.aio binds the server to that loop).
     """
-    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=server_options(max_message_bytes))
+    config = config or PublicServerConfig()
+    interceptors: list[grpc.aio.ServerInterceptor] = [ErrorMappingInterceptor(config.max_concurrent_calls)]
+    if api_keys is not None:
+        interceptors.insert(0, ApiKeyInterceptor(api_keys))  # first: refuse before anything is parsed
+    server = grpc.aio.server(interceptors=interceptors, options=server_options(max_message_bytes))
     servicer = TextGenerationServicer(engine)
     generate_pb2_grpc.add_TextGenerationServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-    bound_port = server.add_insecure_port(address)
+    if config.reflection:
+        reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server,
+                                            pool=public_descriptor_pool())
+    address = _address(host, port)
+    check_port_free(host, port)
+    try:
+        if config.tls_cert is not None and config.tls_key is not None:
+            credentials = ReloadingCertificates(config.tls_cert, config.tls_key, config.tls_client_ca)
+            bound_port = server.add_secure_port(address, credentials.server_credentials())
+        else:
+            bound_port = server.add_insecure_port(address)
+    except RuntimeError as error:  # grpcio says only "Failed to bind to address"
+        raise PortInUseError(f"cannot bind the public port {address}: in use, or not an address of this "
+                             "machine") from error
     return PublicServer(server, bound_port, engine, servicer, health_servicer, readiness_poll_s)

@@ -14,6 +14,7 @@ import numpy as np
 from jinja2.exceptions import TemplateError
 
 from common.generated.nanovllm.generate.v1 import generate_pb2
+from common.quoting import quote
 from common.sampling_params import SamplingParams
 from scheduler_service.async_engine import ModelInfo
 from scheduler_service.errors import RequestError
@@ -25,13 +26,16 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 # Optional request fields that map one to one onto SamplingParams fields of the same name.
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 _INT_FIELDS = ("top_k", "seed")
+MAX_REQUEST_ID_BYTES = 256
 # SamplingParams fields whose public name differs, for error messages.
 _PARAM_TO_PUBLIC_FIELD = {"num_top_logprobs": "top_logprobs"}
 
 
-
 def request_id_of(request: generate_pb2.GenerateRequest) -> str:
     """The client's request id, or a fresh random one so that every log line can name the request."""
+    num_bytes = len(request.request_id.encode())
+    if num_bytes > MAX_REQUEST_ID_BYTES:  # it is echoed in every response and log line
+        raise RequestError(f"request_id: at most {MAX_REQUEST_ID_BYTES} bytes, got {num_bytes}")
     return request.request_id or uuid.uuid4().hex
 
 
@@ -78,12 +82,12 @@ def encode_chat(tokenizer: Tokenizer | None, chat: generate_pb2.ChatMessages) ->
     for index, message in enumerate(chat.messages):
         if message.role not in CHAT_ROLES:
             raise RequestError(f"chat.messages[{index}].role: must be one of {', '.join(CHAT_ROLES)}; "
-                               f"got {message.role!r}")
+                               f"got {quote(message.role)}")
     messages = [{"role": m.role, "content": m.content} for m in chat.messages]
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except (TemplateError, ValueError) as exc:  # e.g. a template that demands alternating roles
-        raise RequestError(f"chat.messages: the model's chat template rejected them: {exc}") from exc
+        raise RequestError(f"chat.messages: the model's chat template rejected them: {quote(str(exc))}") from exc
     # The template already holds BOS and the like; adding special tokens again would double them.
     return list(tokenizer.encode(text, add_special_tokens=False))
 

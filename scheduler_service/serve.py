@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 from scheduler_service.main import run_scheduler_async
+from scheduler_service.public_server import check_port_free
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ def run_serve(args: argparse.Namespace) -> int:
     # Bad options fail here, before anything starts.
     worker_config_from(args)
     scheduler_config_from(args)
+    check_port_free(args.host, args.port)  # before loading a model in the worker
     port = _free_port()
     args.worker = f"127.0.0.1:{port}"
     logger.info("starting a worker for %s on %s", args.model, args.worker)

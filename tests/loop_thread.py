@@ -40,9 +40,10 @@ class PublicServerThread:
         assert self.loop_thread is not None
         return self.loop_thread.run(coro, self.run_timeout)
 
-    async def serve(self, engine: Any) -> None:
-        """On the loop: builds the public server on a free port and starts it."""
-        self.public = build_public_server(engine, "127.0.0.1", 0, readiness_poll_s=0.02)
+    async def serve(self, engine: Any, **options: Any) -> None:
+        """On the loop: builds the public server on a free port and starts it; `options` go to
+        build_public_server (config, api_keys)."""
+        self.public = build_public_server(engine, "127.0.0.1", 0, readiness_poll_s=0.02, **options)
         await self.public.start()
 
     @property

@@ -101,13 +101,14 @@ class ServerThread(PublicServerThread):
 
     run_timeout = 10.0
 
-    def __init__(self, engine: FakeEngine) -> None:
+    def __init__(self, engine: FakeEngine, **options: Any) -> None:
         super().__init__()
         self.engine = engine
+        self.options = options  # for build_public_server: config, api_keys
 
     def start(self) -> ServerThread:
         self.loop_thread = LoopThread("public-server")
-        self.run(self.serve(self.engine))
+        self.run(self.serve(self.engine, **self.options))
         return self
 
     def stop(self) -> None:

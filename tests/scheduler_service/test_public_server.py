@@ -120,6 +120,11 @@ INVALID_REQUESTS = [
     ("hello", None, {"repetition_penalty": 0.0}, "repetition_penalty: must be > 0"),
     ("hello", None, {"frequency_penalty": 3.0}, "frequency_penalty: must be in [-2, 2]"),
     ("hello", None, {"seed": 2**63}, "seed: must be in [0, 2^63)"),
+    ("hello", None, {"temperature": float("inf")}, "temperature: must be a finite number, got inf"),
+    ("hello", None, {"temperature": float("nan")}, "temperature: must be a finite number, got nan"),
+    ("hello", None, {"top_p": float("nan")}, "top_p: must be a finite number, got nan"),
+    ("hello", None, {"repetition_penalty": float("inf")}, "repetition_penalty: must be a finite number, got inf"),
+    ("hello", None, {"presence_penalty": float("-inf")}, "presence_penalty: must be a finite number, got -inf"),
     ([6, VOCAB_SIZE], None, {}, f"token_ids: token id {VOCAB_SIZE} at index 1 is outside the vocabulary "
                                 f"[0, {VOCAB_SIZE})"),
     ([-1], None, {}, "token_ids: token id -1 at index 0 is outside the vocabulary"),
