@@ -9,8 +9,9 @@ import argparse
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 
-from common.cli import scheduler_config_from
+from common.cli import scheduler_config_from, worker_link_from
 from common.gc_pauses import freeze_startup_objects
 from scheduler_service.async_engine import AsyncEngine
 from scheduler_service.public_server import build_public_server
@@ -21,15 +22,20 @@ logger = logging.getLogger(__name__)
 
 
 async def run_scheduler_async(args: argparse.Namespace, tokenizer_path: str | None,
-                              stop: asyncio.Event | None = None) -> None:
+                              stop: asyncio.Event | None = None,
+                              on_engine: Callable[[AsyncEngine], None] | None = None) -> None:
+    """Serves until stop is set (or SIGTERM/SIGINT); on_engine sees the engine once it exists."""
     config = scheduler_config_from(args)  # bad options fail here, before waiting for a worker
+    link = worker_link_from(args)
     # One lane per worker address: data parallelism, a block pool per worker.
-    workers = [GrpcWorkerClient(address.strip()) for address in args.worker.split(",") if address.strip()]
+    workers = [GrpcWorkerClient(address.strip(), link) for address in args.worker.split(",") if address.strip()]
     if tokenizer_path is None:
         tokenizer_path = await _worker_model_path(workers[0])
     tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_path)
     engine = await AsyncEngine.start(config, workers, tokenizer,
                                      eos_token_ids(tokenizer_path, tokenizer))
+    if on_engine is not None:
+        on_engine(engine)
     server = build_public_server(engine, args.host, args.port)
     await server.start()
     freeze_startup_objects()
