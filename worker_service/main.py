@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
@@ -23,7 +24,7 @@ def check_port_free(host: str, port: int) -> None:
         with socket.create_server((host, port)):
             pass
     except OSError as error:
-        raise PortInUseError(f"worker: cannot listen on {host}:{port}: {error.strerror}") from None
+        raise PortInUseError(f"cannot listen on {host}:{port}: {os.strerror(error.errno or 0)}") from None
 
 
 async def _serve(args: argparse.Namespace) -> None:

@@ -128,7 +128,7 @@ async def serve_worker(core: WorkerCore, host: str, port: int,
         bound = (server.add_secure_port(address, credentials) if credentials is not None
                  else server.add_insecure_port(address))
     except RuntimeError as error:  # grpcio's way of saying the bind failed
-        raise PortInUseError(f"worker: cannot listen on {address}: address in use or not available") from error
+        raise PortInUseError(f"cannot listen on {address}: address in use or not available") from error
     await server.start()
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
