@@ -37,6 +37,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._turn = asyncio.Condition()
         self._next_step_id = 1
         self._session_id: str | None = None
+        # Counts claims: a step that waited for its turn across a claim (even its own session's,
+        # which restarts step ids at 1) belongs to state that is gone and must not run.
+        self._num_claims = 0
         # Model work always runs on this one thread: the CPU backend's intra-op thread team then
         # stays warm (a new OpenMP team per pool thread would halve CPU throughput), and launches
         # are never queued behind a thread waiting for a step's result.
@@ -72,16 +75,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if self._session_id not in (None, request.session_id):
                 logger.warning("a new scheduler session took the worker over; the previous one's state is dropped")
             self._session_id = request.session_id
+            self._num_claims += 1
             self._next_step_id = 1
             self._turn.notify_all()  # steps of a replaced session waiting for their turn fail now
             return reply
 
     async def Step(self, request, context):  # noqa: N802
         self._check_session(request.session_id)
+        claim = self._num_claims
         async with self._turn:
-            await self._turn.wait_for(lambda: self._session_id != request.session_id
-                                      or self._next_step_id >= request.step_id)
+            await self._turn.wait_for(lambda: self._num_claims != claim or self._next_step_id >= request.step_id)
             self._check_session(request.session_id)
+            if self._num_claims != claim:
+                raise SessionLostError("session: the worker was claimed again while this step waited; its state "
+                                       "is gone")
             if request.step_id != self._next_step_id:
                 # Names only the caller's own id: the next one is the session's business.
                 raise StepOrderError(f"step_id: {request.step_id} was already used")
