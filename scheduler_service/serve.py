@@ -67,9 +67,12 @@ async def _serve(args: argparse.Namespace, worker: subprocess.Popen, stderr: Wor
     stop = asyncio.Event()
     engines: list[AsyncEngine] = []
     failures: list[str] = []
+    stopping = False  # serve itself stops the worker: its exit is no failure
 
     async def watch_worker() -> None:
         code = await asyncio.to_thread(worker.wait)
+        if stopping:
+            return
         await asyncio.to_thread(stderr.join)  # its last line is in
         failures.append(f"the worker exited with code {code}: {stderr.last_line}")
         if engines and engines[0].model_info is not None:  # it was serving: its requests get the timeout
@@ -82,8 +85,23 @@ async def _serve(args: argparse.Namespace, worker: subprocess.Popen, stderr: Wor
     try:
         await run_scheduler_async(args, args.tokenizer or args.model, stop, engines.append)
     finally:
+        stopping = True
+        # Stopped here, so that the watcher's thread (in worker.wait) ends before the loop does.
+        await asyncio.to_thread(_stop_worker, worker)
         watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
     return failures[0] if failures else None
+
+
+def _stop_worker(worker: subprocess.Popen) -> None:
+    if worker.poll() is not None:
+        return
+    worker.terminate()
+    try:
+        worker.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        worker.kill()
+        worker.wait()
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -103,15 +121,10 @@ def run_serve(args: argparse.Namespace) -> int:
     logger.info("starting a worker for %s on %s", args.model, args.worker)
     worker = subprocess.Popen(worker_command(args, port), stderr=subprocess.PIPE, text=True, errors="replace")
     stderr = WorkerStderr(worker)
-    failure = None
     try:
         failure = asyncio.run(_serve(args, worker, stderr))
     finally:
-        worker.terminate()
-        try:
-            worker.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            worker.kill()
+        _stop_worker(worker)
     if failure is not None:
         print(f"nanovllm serve: {failure}", file=sys.stderr)
         return 1

@@ -28,6 +28,7 @@ from tests.services_harness import (
     REPO_ROOT,
     WORKER_SECRET,
     InProcessScheduler,
+    cli,
     free_port,
     run_cli,
     start_scheduler,
@@ -273,3 +274,28 @@ def test_serve_exits_with_the_workers_error_when_it_dies_at_start_up(tmp_path) -
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("nanovllm serve: the worker exited with code 1: ") and str(missing) in last
+
+
+def test_serve_gives_its_worker_a_random_secret_through_the_environment(model, tmp_path) -> None:
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "w") as output:
+        serve = cli("serve", "--model", str(model), "--port", str(port), "--device", "cpu", "--block-size", "16",
+                    "--num-kv-blocks", "64", stderr=output)
+    client = GenerationClient(f"127.0.0.1:{port}", timeout=300)
+    try:
+        client.wait_ready(timeout=180)
+        assert client.generate(PROMPTS[0], temperature=0, max_tokens=4, ignore_eos=True).usage.completion_tokens == 4
+        worker_pid = int(Path(f"/proc/{serve.pid}/task/{serve.pid}/children").read_text().split()[0])
+        environment = dict(entry.split("=", 1) for entry in
+                           Path(f"/proc/{worker_pid}/environ").read_text().split("\0") if "=" in entry)
+        secret = environment[SECRET_ENV]
+        assert len(secret) == 64 and secret != WORKER_SECRET  # its own, not the caller's
+        for pid in (serve.pid, worker_pid):
+            assert secret not in Path(f"/proc/{pid}/cmdline").read_text()
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=120) == 0
+        assert secret not in log.read_text()
+    finally:
+        client.close()
+        stop(serve)
