@@ -71,7 +71,7 @@ async def _serve(args: argparse.Namespace, worker: subprocess.Popen, stderr: Wor
 
     async def watch_worker() -> None:
         code = await asyncio.to_thread(worker.wait)
-        if stopping:
+        if stopping or stop.is_set():  # Ctrl-C reaches the worker too: that exit is no failure
             return
         await asyncio.to_thread(stderr.join)  # its last line is in
         failures.append(f"the worker exited with code {code}: {stderr.last_line}")
