@@ -40,6 +40,8 @@ def add_scheduler_options(parser: argparse.ArgumentParser) -> None:
                        help="decode iterations per step when only decodes run (tokens per stream message)")
     group.add_argument("--shutdown-grace", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM or SIGINT")
+    group.add_argument("--worker-timeout", type=float, default=60.0,
+                       help="seconds a lost worker's requests wait for it to answer again (then UNAVAILABLE)")
     add_public_port_options(parser)
 
 
@@ -55,6 +57,31 @@ def add_public_port_options(parser: argparse.ArgumentParser) -> None:
                        help="serve gRPC server reflection (needs an API key when keys are configured)")
     group.add_argument("--max-concurrent-calls", type=int, default=16384,
                        help="calls handled at once (health checks aside); beyond: RESOURCE_EXHAUSTED")
+
+
+def add_secret_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--worker-secret-file",
+                        help="file holding the secret shared by scheduler and worker (default: "
+                             "$NANOVLLM_WORKER_SECRET); never pass the secret itself on the command line")
+
+
+def add_worker_link_options(parser: argparse.ArgumentParser) -> None:
+    """The worker's end of the link (`nanovllm worker`)."""
+    add_secret_option(parser)
+    parser.add_argument("--tls-cert", help="PEM certificate chain: serve the worker over TLS")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-client-ca", help="PEM CA: require scheduler certificates signed by it (mTLS)")
+
+
+def add_scheduler_link_options(parser: argparse.ArgumentParser) -> None:
+    """The scheduler's end of the link (`nanovllm scheduler`)."""
+    add_secret_option(parser)
+    parser.add_argument("--worker-tls-ca", help="PEM CA that signs the workers' certificates: reach them over TLS")
+    parser.add_argument("--worker-tls-cert", help="PEM certificate to present to workers (mTLS)")
+    parser.add_argument("--worker-tls-key", help="PEM private key of --worker-tls-cert")
+    parser.add_argument("--worker-takeover", action="store_true",
+                        help="take the workers over from a scheduler session that holds them (one that stopped); "
+                             "without it a held worker is refused")
 
 
 def add_batch_options(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +105,21 @@ def scheduler_config_from(args: argparse.Namespace):
 
     return SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                            max_queue_size=args.max_queue_size, enable_prefix_caching=not args.no_prefix_caching,
-                           num_decode_steps=args.num_decode_steps)
+                           num_decode_steps=args.num_decode_steps, worker_timeout_s=args.worker_timeout)
+
+
+def worker_link_from(args: argparse.Namespace):
+    """The link settings of the end args are for: the worker's (--tls-*) or the scheduler's
+    (--worker-tls-*); the secret from --worker-secret-file or $NANOVLLM_WORKER_SECRET."""
+    from common.config import WorkerLinkConfig
+    from common.worker_link import load_secret
+
+    secret = load_secret(getattr(args, "worker_secret_file", None))
+    if args.command == "worker":
+        return WorkerLinkConfig(secret, args.tls_cert or "", args.tls_key or "", args.tls_client_ca or "")
+    return WorkerLinkConfig(secret, getattr(args, "worker_tls_cert", None) or "",
+                            getattr(args, "worker_tls_key", None) or "", getattr(args, "worker_tls_ca", None) or "",
+                            takeover=getattr(args, "worker_takeover", False))
 
 
 def public_server_config_from(args: argparse.Namespace):
@@ -118,8 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     worker = add_parser("worker", "serve a model's worker (Step RPCs) on --host:--port")
     add_worker_options(worker)
     add_batch_options(worker)
-    worker.add_argument("--host", default="127.0.0.1", help="address to bind, or a unix socket path")
+    worker.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (0.0.0.0 across hosts, then with TLS), or a unix socket path")
     worker.add_argument("--port", type=int, default=DEFAULT_WORKER_PORT, help="worker gRPC port")
+    add_worker_link_options(worker)
 
     scheduler = add_parser("scheduler", "serve the public API, driving running workers")
     add_scheduler_options(scheduler)
@@ -127,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     scheduler.add_argument("--worker", required=True,
                            help="worker address host:port (or unix:/path); several, comma-separated, for data "
                                 "parallelism (each its own KV block pool)")
+    add_scheduler_link_options(scheduler)
 
     health = add_parser("health", "exit 0 if the server at --target reports SERVING")
     health.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORT}", help="host:port of a public port")

@@ -1,7 +1,7 @@
 """One frozen, validated configuration per service, plus the values learned at run time."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 
 def _require(condition: bool, name: str, message: str) -> None:
@@ -22,6 +22,12 @@ class SchedulerConfig:
     # Step message, input building) is paid once per this many tokens; streams get that many
     # tokens per delta. 1 turns it off.
     num_decode_steps: int = 4
+    # A lost worker's requests wait this long for a worker to answer again (then UNAVAILABLE).
+    worker_timeout_s: float = 60.0
+    # Every Step's deadline: the base plus this much per token it computes (and per token of the
+    # step ahead of it, which it waits for). Generous: a slow CPU worker must never hit it.
+    step_timeout_base_s: float = 60.0
+    step_timeout_per_token_s: float = 0.05
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
@@ -31,6 +37,9 @@ class SchedulerConfig:
         _require(self.max_queue_size >= 1, "max_queue_size", f"must be >= 1, got {self.max_queue_size}")
         _require(1 <= self.num_decode_steps <= 64, "num_decode_steps",
                  f"must be in [1, 64], got {self.num_decode_steps}")
+        _require(self.worker_timeout_s > 0, "worker_timeout", f"must be > 0, got {self.worker_timeout_s}")
+        _require(self.step_timeout_base_s > 0 and self.step_timeout_per_token_s >= 0, "step_timeout",
+                 f"must be positive, got {self.step_timeout_base_s} + {self.step_timeout_per_token_s} per token")
 
 
 @dataclass(frozen=True)
@@ -98,6 +107,29 @@ class WorkerConfig:
         _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                  f"must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class WorkerLinkConfig:
+    """One end of the scheduler-worker link: the shared secret (kept out of repr, so never logged)
+    and, for TLS, this end's certificate and key and the CA that signs the other end's. On the
+    worker, tls_ca set means mutual TLS (client certificates required); on the scheduler, it is the
+    CA the worker's certificate is checked against."""
+
+    secret: str = field(repr=False)
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    # Scheduler end only: the first claim replaces a session that holds the worker.
+    takeover: bool = False
+
+    def __post_init__(self) -> None:
+        _require(bool(self.secret), "worker_secret", "must not be empty")
+        _require(bool(self.tls_cert) == bool(self.tls_key), "tls_cert and tls_key", "give both or neither")
+
+    @property
+    def uses_tls(self) -> bool:
+        return bool(self.tls_cert or self.tls_ca)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Any
 from common.config import SchedulerConfig
 from common.sampling_params import SamplingParams
 from scheduler_service.engine_core import TokenUpdate
-from scheduler_service.errors import EngineUnavailableError
+from scheduler_service.errors import EngineUnavailableError, WorkerLostError, WorkerStepError
 from scheduler_service.sequence import FinishReason, Sequence
 from scheduler_service.worker_client import WorkerClient
 from scheduler_service.worker_lane import ModelInfo, WorkerLane
@@ -127,6 +127,8 @@ class AsyncEngine:
             while True:
                 items = [await request.outputs.get(), *_drain(request.outputs)]
                 failure = next((item for item in items if isinstance(item, Exception)), None)
+                if isinstance(failure, EngineUnavailableError | WorkerStepError):
+                    raise type(failure)(str(failure))  # a documented status: UNAVAILABLE, INTERNAL
                 if failure is not None:
                     raise RuntimeError(f"the engine failed: {failure!r}") from failure
                 output = _merge(items)
@@ -139,14 +141,19 @@ class AsyncEngine:
             self._requests.pop(seq.seq_id, None)
 
     async def shutdown(self, grace_s: float = 30.0) -> None:
-        """Refuses new requests, lets running ones finish for up to grace_s, aborts the rest."""
+        """Refuses new requests, lets running ones finish for up to grace_s, aborts the rest. Requests
+        parked on a lost worker are not waited for: nothing runs them."""
         self._draining = True
         deadline = asyncio.get_running_loop().time() + grace_s
-        while self._requests and asyncio.get_running_loop().time() < deadline:
+        while (any(request.lane.is_ready for request in self._requests.values())
+               and asyncio.get_running_loop().time() < deadline):
             await asyncio.sleep(0.05)
         for request in list(self._requests.values()):
             request.lane.abort(request.seq)
-            request.outputs.put_nowait(self._final_output(request, []))
+            if request.lane.is_ready:
+                request.outputs.put_nowait(self._final_output(request, []))
+            else:
+                request.outputs.put_nowait(WorkerLostError("worker lost: the service is shutting down"))  # type: ignore[arg-type]
         await asyncio.gather(*(lane.close() for lane in self.lanes))
 
     # Outputs.
@@ -166,10 +173,11 @@ class AsyncEngine:
             else:
                 request.outputs.put_nowait(self._delta(request, seq_updates, finished=False))
 
-    def _fail_lane(self, lane: WorkerLane, error: Exception) -> None:
-        """Ends every request of a failed lane with an error (their streams get INTERNAL)."""
+    def _fail_lane(self, lane: WorkerLane, error: Exception, sequences: list[Sequence] | None) -> None:
+        """Ends the lane's requests for sequences (all of them when None) with error."""
+        seq_ids = None if sequences is None else {seq.seq_id for seq in sequences}
         for request in list(self._requests.values()):
-            if request.lane is lane:
+            if request.lane is lane and (seq_ids is None or request.seq.seq_id in seq_ids):
                 request.outputs.put_nowait(error)  # type: ignore[arg-type]
 
     def _final_output(self, request: _Request, updates: list[TokenUpdate]) -> RequestOutput:

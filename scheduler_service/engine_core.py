@@ -42,6 +42,8 @@ class InFlightStep:
     # For each sequence the step computes: the sequence and its preemption count at the time, so
     # that a token for a sequence preempted since is recognised and dropped.
     scheduled: dict[int, tuple[Sequence, int]]
+    # Tokens the worker computes for it (prefill chunks and decode iterations): sizes its deadline.
+    num_tokens: int = 0
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +143,8 @@ class EngineCore:
         self._next_step_id += 1
         request = build_step_request(step_id, output)
         scheduled = {item.seq.seq_id: (item.seq, item.seq.num_preemptions) for item in output.scheduled}
-        return InFlightStep(step_id, request, scheduled)
+        num_tokens = sum(item.num_tokens for item in output.scheduled)  # decode iterations included
+        return InFlightStep(step_id, request, scheduled, num_tokens)
 
     def process_step(self, step: InFlightStep, response: worker_pb2.StepResponse) -> list[TokenUpdate]:
         if response.step_id != step.step_id:

@@ -19,7 +19,13 @@ from typing import Any
 
 import grpc
 
-from scheduler_service.errors import EngineUnavailableError, OverloadError, QueueFullError, RequestError
+from scheduler_service.errors import (
+    EngineUnavailableError,
+    OverloadError,
+    QueueFullError,
+    RequestError,
+    WorkerStepError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +36,8 @@ def status_for(exc: Exception) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, EngineUnavailableError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, WorkerStepError):
+        return grpc.StatusCode.INTERNAL, str(exc)
     if isinstance(exc, ValueError):  # RequestError and SamplingParams' checks: "field: message"
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log"
@@ -37,7 +45,7 @@ def status_for(exc: Exception) -> tuple[grpc.StatusCode, str]:
 
 async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
     code, details = status_for(exc)
-    if code is grpc.StatusCode.INTERNAL:
+    if code is grpc.StatusCode.INTERNAL and not isinstance(exc, WorkerStepError):  # that one is logged once
         logger.error("%s failed", method, exc_info=exc)
     else:
         logger.debug("%s: %s %s", method, code.name, details)

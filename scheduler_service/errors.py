@@ -17,3 +17,12 @@ class OverloadError(RuntimeError):
 
 class EngineUnavailableError(RuntimeError):
     """No worker is ready, or the service is draining (UNAVAILABLE)."""
+
+
+class WorkerLostError(EngineUnavailableError):
+    """The request's worker was lost and none came back within the worker timeout (UNAVAILABLE)."""
+
+
+class WorkerStepError(RuntimeError):
+    """The worker reported a protocol error for the request's step (INTERNAL, logged once by the
+    engine, not once per request)."""

@@ -9,8 +9,9 @@ import argparse
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 
-from common.cli import public_server_config_from, scheduler_config_from
+from common.cli import public_server_config_from, scheduler_config_from, worker_link_from
 from common.gc_pauses import freeze_startup_objects
 from scheduler_service.api_keys import ApiKeys
 from scheduler_service.async_engine import AsyncEngine
@@ -23,14 +24,16 @@ logger = logging.getLogger(__name__)
 
 
 async def run_scheduler_async(args: argparse.Namespace, tokenizer_path: str | None,
-                              stop: asyncio.Event | None = None) -> None:
+                              stop: asyncio.Event | None = None,
+                              on_engine: Callable[[AsyncEngine], None] | None = None) -> None:
+    """Serves until stop is set (or SIGTERM/SIGINT); on_engine sees the engine once it exists."""
     # SIGINT (Ctrl-C) and SIGTERM both drain, from the first moment: before the server is up they end
     # start-up at once (a bare SIGTERM would kill the process and orphan `serve`'s worker).
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    started = asyncio.create_task(_start(args, tokenizer_path))
+    started = asyncio.create_task(_start(args, tokenizer_path, on_engine))
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait([started, stopped], return_when=asyncio.FIRST_COMPLETED)
     if not started.done():
@@ -47,20 +50,24 @@ async def run_scheduler_async(args: argparse.Namespace, tokenizer_path: str | No
     logger.info("scheduler stopped")
 
 
-async def _start(args: argparse.Namespace, tokenizer_path: str | None) -> tuple[AsyncEngine, PublicServer]:
+async def _start(args: argparse.Namespace, tokenizer_path: str | None,
+                 on_engine: Callable[[AsyncEngine], None] | None) -> tuple[AsyncEngine, PublicServer]:
     config = scheduler_config_from(args)  # bad options fail here, before waiting for a worker
+    link = worker_link_from(args)
     public_config = public_server_config_from(args)
     api_keys = ApiKeys.from_config(public_config.api_key_file)
     check_readable({"tls_cert": public_config.tls_cert, "tls_key": public_config.tls_key,
                     "tls_client_ca": public_config.tls_client_ca})
     check_port_free(args.host, args.port)  # now, not after waiting for a worker
     # One lane per worker address: data parallelism, a block pool per worker.
-    workers = [GrpcWorkerClient(address.strip()) for address in args.worker.split(",") if address.strip()]
+    workers = [GrpcWorkerClient(address.strip(), link) for address in args.worker.split(",") if address.strip()]
     if tokenizer_path is None:
         tokenizer_path = await _worker_model_path(workers[0])
     tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_path)
     engine = await AsyncEngine.start(config, workers, tokenizer,
                                      eos_token_ids(tokenizer_path, tokenizer))
+    if on_engine is not None:
+        on_engine(engine)
     server = build_public_server(engine, args.host, args.port, config=public_config, api_keys=api_keys)
     await server.start()
     freeze_startup_objects()

@@ -2,8 +2,11 @@
 service runs one lane per worker address: data parallelism routes each new request to a lane.
 
 The loop keeps one step in flight ahead (step N+1 is on the wire before step N's tokens return).
-A lost worker is reconnected by itself; its unfinished sequences are recomputed from the tokens
-the scheduler holds once it answers again, so no request is lost.
+Worker faults are classified (scheduler_service/worker_faults.py): a lost worker or session is
+reconnected by itself and its unfinished sequences are recomputed from the tokens the scheduler
+holds once it answers again, so no request is lost, unless none answers within the worker
+timeout: then they end with UNAVAILABLE. A protocol error fails only the requests of its step;
+the others are recomputed on a fresh claim, since the worker's state can no longer be trusted.
 """
 from __future__ import annotations
 
@@ -17,8 +20,10 @@ import grpc
 from common.config import SchedulerConfig, WorkerInfo
 from common.generated.nanovllm.worker.v1 import worker_pb2
 from scheduler_service.engine_core import EngineCore, InFlightStep, TokenUpdate
+from scheduler_service.errors import WorkerLostError, WorkerStepError
 from scheduler_service.sequence import FinishReason, Sequence, SequenceStatus
 from scheduler_service.worker_client import WorkerClient
+from scheduler_service.worker_faults import StepFailedError, WorkerFault, classify
 
 logger = logging.getLogger(__name__)
 RECONNECT_DELAY_S = 1.0
@@ -44,7 +49,9 @@ def worker_info_from(describe: worker_pb2.DescribeResponse, num_kv_blocks: int) 
 class WorkerLane:
     def __init__(self, config: SchedulerConfig, worker: WorkerClient, extra_eos_token_ids: set[int],
                  on_updates: Callable[[list[TokenUpdate]], None],
-                 on_failure: Callable[[WorkerLane, Exception], None], on_ready: Callable[[], None]) -> None:
+                 on_failure: Callable[[WorkerLane, Exception, list[Sequence] | None], None],
+                 on_ready: Callable[[], None]) -> None:
+        """on_failure(lane, error, sequences) ends those requests with error (None: all of the lane's)."""
         self.config = config
         self.worker = worker
         self.extra_eos_token_ids = extra_eos_token_ids
@@ -56,6 +63,7 @@ class WorkerLane:
         self.orphans: list[Sequence] = []  # unfinished while no worker is connected
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
+        self._loss_timer: asyncio.TimerHandle | None = None
 
     @property
     def is_ready(self) -> bool:
@@ -80,6 +88,7 @@ class WorkerLane:
         if self.task is not None:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
+        self._cancel_loss_timer()
         await self.worker.close()
 
     async def _run(self) -> None:
@@ -87,31 +96,46 @@ class WorkerLane:
             try:
                 await self._connect()
                 await self._drive()
-            except (grpc.aio.AioRpcError, ConnectionError, OSError) as error:
-                logger.warning("worker %s lost (%s); its requests will be recomputed once it is back",
-                               self.worker.address, error)
-                self._on_worker_lost()
-                await asyncio.sleep(RECONNECT_DELAY_S)
-            except Exception as error:  # a bug: fail the requests in progress rather than hang them
-                logger.exception("engine loop of %s failed; failing its requests and starting over",
-                                 self.worker.address)
-                self.on_failure(self, error)
-                self._on_worker_lost()
-                self.orphans = []
+            except StepFailedError:
+                self._on_worker_lost()  # the step's requests are failed; the rest start over at once
+            except Exception as error:
+                fault = classify(error)
+                if fault is None:  # a bug: fail the requests in progress rather than hang them
+                    logger.exception("engine loop of %s failed; failing its requests and starting over",
+                                     self.worker.address)
+                    self.on_failure(self, error, None)
+                    self._on_worker_lost()
+                    self.orphans = []
+                elif fault is WorkerFault.PROTOCOL:  # outside a step (a release): no request to fail
+                    logger.error("worker %s: %s (%s); its requests will be recomputed", self.worker.address,
+                                 fault.value, _describe(error))
+                    self._on_worker_lost()
+                    continue
+                else:
+                    logger.warning("worker %s: %s (%s); its requests will be recomputed once it is back",
+                                   self.worker.address, fault.value, _describe(error))
+                    self._on_worker_lost()
                 await asyncio.sleep(RECONNECT_DELAY_S)
 
     async def _connect(self) -> None:
+        last_complaint = None
         while True:
             try:
                 describe = await self.worker.describe()
+                reply = await self.worker.init_cache(describe.num_kv_blocks)
                 break
             except grpc.aio.AioRpcError as error:
-                logger.info("waiting for worker %s: %s", self.worker.address, error.code().name)
+                complaint = _describe(error)
+                if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    logger.info("waiting for worker %s: %s", self.worker.address, error.code().name)
+                elif complaint != last_complaint:  # a refused claim or secret: said once, retried quietly
+                    logger.error("worker %s refused us: %s; retrying", self.worker.address, complaint)
+                last_complaint = complaint
                 await asyncio.sleep(RECONNECT_DELAY_S)
-        reply = await self.worker.init_cache(describe.num_kv_blocks)
         info = worker_info_from(describe, reply.num_kv_blocks)
         eos = set(describe.eos_token_ids) | self.extra_eos_token_ids
         core = EngineCore(self.config, info, eos)
+        self._cancel_loss_timer()
         core.adopt([seq for seq in self.orphans if not seq.is_finished])
         self.orphans = []
         self.model_info = ModelInfo(info.model_name, core.max_model_len, info.vocab_size, tuple(sorted(eos)),
@@ -125,6 +149,44 @@ class WorkerLane:
         if self.core is not None:
             self.orphans = self.core.take_unfinished()
         self.core = None
+        if self._loss_timer is None:
+            self._loss_timer = asyncio.get_running_loop().call_later(self.config.worker_timeout_s,
+                                                                     self._on_worker_timeout)
+
+    def _on_worker_timeout(self) -> None:
+        """No worker came back in time: the parked requests end with UNAVAILABLE."""
+        self._loss_timer = None
+        parked = [seq for seq in self.orphans if not seq.is_finished]
+        self.orphans = []
+        if parked:
+            logger.error("worker %s lost for %.0f s: failing its %d requests", self.worker.address,
+                         self.config.worker_timeout_s, len(parked))
+        for seq in parked:
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = FinishReason.ABORTED
+        self.on_failure(self, WorkerLostError(f"worker lost: none answered within {self.config.worker_timeout_s:g} s"),
+                        parked)
+
+    def _cancel_loss_timer(self) -> None:
+        if self._loss_timer is not None:
+            self._loss_timer.cancel()
+            self._loss_timer = None
+
+    def _step_timeout_s(self, step: InFlightStep, ahead: InFlightStep | None) -> float:
+        """Generous: the base plus per-token time for this step and the one ahead of it, which the
+        worker finishes first."""
+        num_tokens = step.num_tokens + (ahead.num_tokens if ahead is not None else 0)
+        return self.config.step_timeout_base_s + self.config.step_timeout_per_token_s * num_tokens
+
+    def _fail_step(self, core: EngineCore, step: InFlightStep, error: grpc.aio.AioRpcError) -> None:
+        """Ends the step's requests with INTERNAL, logged once here."""
+        failed = [seq for seq, _ in step.scheduled.values() if not seq.is_finished]
+        logger.error("worker %s failed step %d (%s): failing its %d requests, recomputing the others",
+                     self.worker.address, step.step_id, _describe(error), len(failed))
+        for seq in failed:
+            core.abort(seq)
+        self.on_failure(self, WorkerStepError("internal error: the worker failed this request's step; see the "
+                                              "scheduler log"), failed)
 
     async def _drive(self) -> None:
         core = self.core
@@ -135,13 +197,19 @@ class WorkerLane:
                 await self._idle(core)
                 continue
             step = core.build_step()
-            task = asyncio.create_task(self.worker.step(step.request)) if step is not None else None
+            task = None
+            if step is not None:
+                timeout_s = self._step_timeout_s(step, in_flight[0] if in_flight is not None else None)
+                task = asyncio.create_task(self.worker.step(step.request, timeout_s))
             if in_flight is not None:
                 try:
                     response = await in_flight[1]
-                except BaseException:
+                except BaseException as error:
                     if task is not None:
                         task.cancel()
+                    if classify(error) is WorkerFault.PROTOCOL:
+                        self._fail_step(core, in_flight[0], error)  # type: ignore[arg-type]
+                        raise StepFailedError from error
                     raise
                 self.on_updates(core.process_step(in_flight[0], response))
             elif step is None:
@@ -155,3 +223,10 @@ class WorkerLane:
         self.wakeup.clear()
         if not core.has_unfinished and not core.scheduler.has_released_seq_ids:
             await self.wakeup.wait()
+
+
+def _describe(error: BaseException) -> str:
+    """A short description of a worker call's failure, for the log."""
+    if isinstance(error, grpc.aio.AioRpcError):
+        return f"{error.code().name}: {error.details()}"
+    return repr(error)

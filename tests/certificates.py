@@ -66,3 +66,11 @@ def replace_file(path: Path, data: bytes) -> None:
     temporary = path.with_name(path.name + ".new")
     temporary.write_bytes(data)
     os.replace(temporary, path)
+
+
+def write_pem_files(folder: Path, name: str, pem: Pem) -> tuple[str, str]:
+    """Writes a certificate and its key as `name`.pem and `name`.key; returns both paths."""
+    cert, key = folder / f"{name}.pem", folder / f"{name}.key"
+    cert.write_bytes(pem.cert)
+    key.write_bytes(pem.key)
+    return str(cert), str(key)

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import grpc
 
-from common.config import SchedulerConfig
+from common.config import SchedulerConfig, WorkerLinkConfig
 from common.generated.nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
+from common.worker_link import SECRET_ENV, secret_metadata
 from scheduler_service.async_engine import AsyncEngine
 from scheduler_service.tokenizer import eos_token_ids, load_tokenizer
 from scheduler_service.worker_client import GrpcWorkerClient
@@ -21,6 +22,9 @@ from tests.loop_thread import LoopThread, PublicServerThread
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKER_OPTIONS = ["--block-size", "16", "--num-kv-blocks", "256", "--device", "cpu"]
+# The secret the test services share (through the environment, as a user would pass it).
+WORKER_SECRET = "test-secret-0123456789abcdef"
+LINK = WorkerLinkConfig(WORKER_SECRET)
 
 
 def free_port() -> int:
@@ -37,20 +41,20 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None
         time.sleep(0.02)
 
 
-def cli(*args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def cli(*args: str, **popen) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", SECRET_ENV: WORKER_SECRET}
     return subprocess.Popen([sys.executable, "-m", "common.cli", "--log-level", "WARNING", *args], cwd=REPO_ROOT,
-                            env=env)
+                            env=env, **popen)
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """Runs a `nanovllm` command to its end, its output captured as text."""
     return subprocess.run([sys.executable, "-m", "common.cli", *args], capture_output=True, text=True, cwd=REPO_ROOT,
-                          timeout=timeout)
+                          timeout=timeout, env={**os.environ, SECRET_ENV: WORKER_SECRET})
 
 
-def start_worker(model: Path, port: int) -> subprocess.Popen:
-    return cli("worker", "--model", str(model), "--port", str(port), *WORKER_OPTIONS)
+def start_worker(model: Path, port: int, *extra: str, **popen) -> subprocess.Popen:
+    return cli("worker", "--model", str(model), "--port", str(port), *WORKER_OPTIONS, *extra, **popen)
 
 
 def start_scheduler(worker_port: int, port: int, *extra: str) -> subprocess.Popen:
@@ -59,7 +63,8 @@ def start_scheduler(worker_port: int, port: int, *extra: str) -> subprocess.Pope
 
 def worker_describe(port: int) -> worker_pb2.DescribeResponse:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        return worker_pb2_grpc.WorkerStub(channel).Describe(worker_pb2.DescribeRequest(), timeout=5)
+        return worker_pb2_grpc.WorkerStub(channel).Describe(worker_pb2.DescribeRequest(), timeout=5,
+                                                            metadata=secret_metadata(WORKER_SECRET))
 
 
 def stop(process: subprocess.Popen) -> None:
@@ -75,10 +80,13 @@ def stop(process: subprocess.Popen) -> None:
 class InProcessScheduler(PublicServerThread):
     """The real AsyncEngine and public server on an event loop in a daemon thread."""
 
-    def __init__(self, model: Path, worker_port: int) -> None:
+    def __init__(self, model: Path, worker_port: int, config: SchedulerConfig | None = None,
+                 link: WorkerLinkConfig = LINK, worker_address: str | None = None) -> None:
         super().__init__()
         self.model = model
-        self.worker_port = worker_port
+        self.worker_address = worker_address or f"127.0.0.1:{worker_port}"
+        self.config = config or SchedulerConfig()
+        self.link = link
         self.engine: AsyncEngine | None = None
 
     def start(self) -> InProcessScheduler:
@@ -86,8 +94,8 @@ class InProcessScheduler(PublicServerThread):
 
         async def build() -> None:
             tokenizer = load_tokenizer(str(self.model))
-            worker = GrpcWorkerClient(f"127.0.0.1:{self.worker_port}")
-            self.engine = await AsyncEngine.start(SchedulerConfig(), worker, tokenizer,
+            worker = GrpcWorkerClient(self.worker_address, self.link)
+            self.engine = await AsyncEngine.start(self.config, worker, tokenizer,
                                                   eos_token_ids(str(self.model), tokenizer))
             await self.serve(self.engine)
 

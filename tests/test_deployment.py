@@ -51,3 +51,13 @@ def test_health_command_reports_not_serving_without_a_server() -> None:
     result = run_cli("health", "--target", f"127.0.0.1:{free_port()}", "--timeout", "1")
     assert result.returncode == 1
     assert "UNAVAILABLE" in result.stderr
+
+
+def test_worker_port_is_private_and_both_share_the_secret(compose: dict) -> None:
+    worker, scheduler = compose["services"]["worker"], compose["services"]["scheduler"]
+    assert "ports" not in worker  # reached over the compose network only
+    assert compose["secrets"]["worker_secret"]["file"].endswith("/worker_secret")
+    for service in (worker, scheduler):
+        assert [secret["source"] for secret in service["secrets"]] == ["worker_secret"]
+        command = service["command"]
+        assert command[command.index("--worker-secret-file") + 1] == "/run/secrets/worker_secret"

@@ -1,20 +1,43 @@
-"""`nanovllm worker`: loads the model, serves Step RPCs until SIGTERM or SIGINT."""
+"""`nanovllm worker`: loads the model, serves Step RPCs until SIGTERM or SIGINT (the same)."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
 import signal
+import socket
+import sys
 import time
 
 logger = logging.getLogger(__name__)
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raises PortInUseError now, before the model loads, when host:port is taken. (The bind
+    itself checks again: this probe only makes the common case fast and quiet.)"""
+    from worker_service.server import PortInUseError
+
+    if host.startswith("/") or port == 0:
+        return
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as error:
+        raise PortInUseError(f"cannot listen on {host}:{port}: {os.strerror(error.errno or 0)}") from None
+
+
 async def _serve(args: argparse.Namespace) -> None:
-    from common.cli import worker_config_from
+    from common.cli import worker_config_from, worker_link_from
     from worker_service.server import serve_worker
     from worker_service.worker import WorkerCore
 
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    link = worker_link_from(args)
+    check_port_free(args.host, args.port)
     if not args.model:
         from common.default_model import default_model_path
 
@@ -22,11 +45,7 @@ async def _serve(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     core = await asyncio.to_thread(WorkerCore, worker_config_from(args))
     logger.info("model %s loaded in %.1f s", args.model, time.perf_counter() - started)
-    server, port = await serve_worker(core, args.host, args.port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+    server, port = await serve_worker(core, args.host, args.port, link)
     logger.info("worker ready on %s", args.host if args.host.startswith("/") else f"{args.host}:{port}")
     await stop.wait()
     logger.info("worker stopping")
@@ -34,5 +53,11 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    asyncio.run(_serve(args))
+    from worker_service.server import PortInUseError
+
+    try:
+        asyncio.run(_serve(args))
+    except PortInUseError as error:
+        print(f"nanovllm worker: {error}", file=sys.stderr)
+        return 1
     return 0

@@ -42,7 +42,7 @@ class ScriptedWorker:
         self.last_step_id = 0
         return worker_pb2.InitCacheResponse(num_kv_blocks=num_kv_blocks)
 
-    async def step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
+    async def step(self, request: worker_pb2.StepRequest, timeout_s: float | None = None) -> worker_pb2.StepResponse:
         await asyncio.sleep(0)
         self.num_steps += 1
         if self.lose_connection_at_step == request.step_id:

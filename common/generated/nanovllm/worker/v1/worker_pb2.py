@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n0common/generated/nanovllm/worker/v1/worker.proto\x12\x12nanovllm.worker.v1\"\x9f\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x12\x1d\n\x10num_top_logprobs\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x17\n\x0freturn_logprobs\x18\n \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seedB\x13\n\x11_num_top_logprobs\"\xe1\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x06 \x03(\r\x12\x34\n\x08sampling\x18\x07 \x01(\x0b\x32\".nanovllm.worker.v1.SamplingParams\x12\x18\n\x10\x63\x61\x63hed_token_ids\x18\x08 \x03(\x05\"K\n\x0fRunningSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\"\xca\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x36\n\rnew_sequences\x18\x02 \x03(\x0b\x32\x1f.nanovllm.worker.v1.NewSequence\x12>\n\x11running_sequences\x18\x03 \x03(\x0b\x32#.nanovllm.worker.v1.RunningSequence\x12\x18\n\x10released_seq_ids\x18\x04 \x03(\x04\x12\x18\n\x10num_decode_steps\x18\x05 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x88\x01\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x34\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1e.nanovllm.worker.v1.TopLogprobB\n\n\x08_logprob\"i\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x30\n\x06tokens\x18\x02 \x03(\x0b\x32 .nanovllm.worker.v1.SampledToken\x12\x16\n\x0eworker_time_us\x18\x03 \x01(\x04\"!\n\x0eReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\"\x11\n\x0fReleaseResponse\"\x11\n\x0f\x44\x65scribeRequest\"\xa2\x02\n\x10\x44\x65scribeResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\x05\x12\x1a\n\x12num_held_sequences\x18\n \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x0b \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x0c \x01(\r\")\n\x10InitCacheRequest\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\r\"*\n\x11InitCacheResponse\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\r2\xd8\x02\n\x06Worker\x12U\n\x08\x44\x65scribe\x12#.nanovllm.worker.v1.DescribeRequest\x1a$.nanovllm.worker.v1.DescribeResponse\x12X\n\tInitCache\x12$.nanovllm.worker.v1.InitCacheRequest\x1a%.nanovllm.worker.v1.InitCacheResponse\x12I\n\x04Step\x12\x1f.nanovllm.worker.v1.StepRequest\x1a .nanovllm.worker.v1.StepResponse\x12R\n\x07Release\x12\".nanovllm.worker.v1.ReleaseRequest\x1a#.nanovllm.worker.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n0common/generated/nanovllm/worker/v1/worker.proto\x12\x12nanovllm.worker.v1\"\x9f\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x12\x1d\n\x10num_top_logprobs\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x17\n\x0freturn_logprobs\x18\n \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seedB\x13\n\x11_num_top_logprobs\"\xe1\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x06 \x03(\r\x12\x34\n\x08sampling\x18\x07 \x01(\x0b\x32\".nanovllm.worker.v1.SamplingParams\x12\x18\n\x10\x63\x61\x63hed_token_ids\x18\x08 \x03(\x05\"K\n\x0fRunningSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\"\xde\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x36\n\rnew_sequences\x18\x02 \x03(\x0b\x32\x1f.nanovllm.worker.v1.NewSequence\x12>\n\x11running_sequences\x18\x03 \x03(\x0b\x32#.nanovllm.worker.v1.RunningSequence\x12\x18\n\x10released_seq_ids\x18\x04 \x03(\x04\x12\x18\n\x10num_decode_steps\x18\x05 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x88\x01\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x34\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1e.nanovllm.worker.v1.TopLogprobB\n\n\x08_logprob\"i\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x30\n\x06tokens\x18\x02 \x03(\x0b\x32 .nanovllm.worker.v1.SampledToken\x12\x16\n\x0eworker_time_us\x18\x03 \x01(\x04\"5\n\x0eReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x12\n\nsession_id\x18\x02 \x01(\t\"\x11\n\x0fReleaseResponse\"\x11\n\x0f\x44\x65scribeRequest\"\xa2\x02\n\x10\x44\x65scribeResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\x05\x12\x1a\n\x12num_held_sequences\x18\n \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x0b \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x0c \x01(\r\"O\n\x10InitCacheRequest\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\r\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x10\n\x08takeover\x18\x03 \x01(\x08\"*\n\x11InitCacheResponse\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\r2\xd8\x02\n\x06Worker\x12U\n\x08\x44\x65scribe\x12#.nanovllm.worker.v1.DescribeRequest\x1a$.nanovllm.worker.v1.DescribeResponse\x12X\n\tInitCache\x12$.nanovllm.worker.v1.InitCacheRequest\x1a%.nanovllm.worker.v1.InitCacheResponse\x12I\n\x04Step\x12\x1f.nanovllm.worker.v1.StepRequest\x1a .nanovllm.worker.v1.StepResponse\x12R\n\x07Release\x12\".nanovllm.worker.v1.ReleaseRequest\x1a#.nanovllm.worker.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,25 +38,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RUNNINGSEQUENCE']._serialized_start=718
   _globals['_RUNNINGSEQUENCE']._serialized_end=793
   _globals['_STEPREQUEST']._serialized_start=796
-  _globals['_STEPREQUEST']._serialized_end=998
-  _globals['_TOPLOGPROB']._serialized_start=1000
-  _globals['_TOPLOGPROB']._serialized_end=1047
-  _globals['_SAMPLEDTOKEN']._serialized_start=1050
-  _globals['_SAMPLEDTOKEN']._serialized_end=1186
-  _globals['_STEPRESPONSE']._serialized_start=1188
-  _globals['_STEPRESPONSE']._serialized_end=1293
-  _globals['_RELEASEREQUEST']._serialized_start=1295
-  _globals['_RELEASEREQUEST']._serialized_end=1328
-  _globals['_RELEASERESPONSE']._serialized_start=1330
-  _globals['_RELEASERESPONSE']._serialized_end=1347
-  _globals['_DESCRIBEREQUEST']._serialized_start=1349
-  _globals['_DESCRIBEREQUEST']._serialized_end=1366
-  _globals['_DESCRIBERESPONSE']._serialized_start=1369
-  _globals['_DESCRIBERESPONSE']._serialized_end=1659
-  _globals['_INITCACHEREQUEST']._serialized_start=1661
-  _globals['_INITCACHEREQUEST']._serialized_end=1702
-  _globals['_INITCACHERESPONSE']._serialized_start=1704
-  _globals['_INITCACHERESPONSE']._serialized_end=1746
-  _globals['_WORKER']._serialized_start=1749
-  _globals['_WORKER']._serialized_end=2093
+  _globals['_STEPREQUEST']._serialized_end=1018
+  _globals['_TOPLOGPROB']._serialized_start=1020
+  _globals['_TOPLOGPROB']._serialized_end=1067
+  _globals['_SAMPLEDTOKEN']._serialized_start=1070
+  _globals['_SAMPLEDTOKEN']._serialized_end=1206
+  _globals['_STEPRESPONSE']._serialized_start=1208
+  _globals['_STEPRESPONSE']._serialized_end=1313
+  _globals['_RELEASEREQUEST']._serialized_start=1315
+  _globals['_RELEASEREQUEST']._serialized_end=1368
+  _globals['_RELEASERESPONSE']._serialized_start=1370
+  _globals['_RELEASERESPONSE']._serialized_end=1387
+  _globals['_DESCRIBEREQUEST']._serialized_start=1389
+  _globals['_DESCRIBEREQUEST']._serialized_end=1406
+  _globals['_DESCRIBERESPONSE']._serialized_start=1409
+  _globals['_DESCRIBERESPONSE']._serialized_end=1699
+  _globals['_INITCACHEREQUEST']._serialized_start=1701
+  _globals['_INITCACHEREQUEST']._serialized_end=1780
+  _globals['_INITCACHERESPONSE']._serialized_start=1782
+  _globals['_INITCACHERESPONSE']._serialized_end=1824
+  _globals['_WORKER']._serialized_start=1827
+  _globals['_WORKER']._serialized_end=2171
 # @@protoc_insertion_point(module_scope)

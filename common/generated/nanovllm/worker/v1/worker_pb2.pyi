@@ -61,18 +61,20 @@ class RunningSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "new_sequences", "running_sequences", "released_seq_ids", "num_decode_steps")
+    __slots__ = ("step_id", "session_id", "new_sequences", "running_sequences", "released_seq_ids", "num_decode_steps")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     RUNNING_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     RELEASED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
+    session_id: str
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     running_sequences: _containers.RepeatedCompositeFieldContainer[RunningSequence]
     released_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     num_decode_steps: int
-    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., running_sequences: _Optional[_Iterable[_Union[RunningSequence, _Mapping]]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., num_decode_steps: _Optional[int] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., session_id: _Optional[str] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., running_sequences: _Optional[_Iterable[_Union[RunningSequence, _Mapping]]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., num_decode_steps: _Optional[int] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -105,10 +107,12 @@ class StepResponse(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., worker_time_us: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("seq_ids",)
+    __slots__ = ("seq_ids", "session_id")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    session_id: str
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()
@@ -147,10 +151,14 @@ class DescribeResponse(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_held_sequences: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...
 
 class InitCacheRequest(_message.Message):
-    __slots__ = ("num_kv_blocks",)
+    __slots__ = ("num_kv_blocks", "session_id", "takeover")
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TAKEOVER_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
-    def __init__(self, num_kv_blocks: _Optional[int] = ...) -> None: ...
+    session_id: str
+    takeover: bool
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., session_id: _Optional[str] = ..., takeover: _Optional[bool] = ...) -> None: ...
 
 class InitCacheResponse(_message.Message):
     __slots__ = ("num_kv_blocks",)

@@ -26,7 +26,12 @@ if _version_not_supported:
 
 
 class WorkerStub:
-    """Missing associated documentation comment in .proto file."""
+    """Every call but grpc.health.v1 carries the shared secret as `authorization: Bearer <secret>`
+    metadata; without it: UNAUTHENTICATED, and the call has no effect. Status codes: ABORTED when the
+    call's session does not hold the worker (taken over, or the worker restarted: its state is gone);
+    FAILED_PRECONDITION for a refused claim or a step out of order; INVALID_ARGUMENT for a malformed
+    step; INTERNAL for a worker bug (details in the worker's log only).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -57,7 +62,12 @@ class WorkerStub:
 
 
 class WorkerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Every call but grpc.health.v1 carries the shared secret as `authorization: Bearer <secret>`
+    metadata; without it: UNAUTHENTICATED, and the call has no effect. Status codes: ABORTED when the
+    call's session does not hold the worker (taken over, or the worker restarted: its state is gone);
+    FAILED_PRECONDITION for a refused claim or a step out of order; INVALID_ARGUMENT for a malformed
+    step; INTERNAL for a worker bug (details in the worker's log only).
+    """
 
     def Describe(self, request, context):
         """Reports the model and the KV capacity.
@@ -67,7 +77,7 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def InitCache(self, request, context):
-        """Allocates the KV cache; forgets every sequence (called once at start and after a restart).
+        """Claims the worker for a session and allocates the KV cache; forgets every sequence.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -119,7 +129,12 @@ def add_WorkerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Worker:
-    """Missing associated documentation comment in .proto file."""
+    """Every call but grpc.health.v1 carries the shared secret as `authorization: Bearer <secret>`
+    metadata; without it: UNAUTHENTICATED, and the call has no effect. Status codes: ABORTED when the
+    call's session does not hold the worker (taken over, or the worker restarted: its state is gone);
+    FAILED_PRECONDITION for a refused claim or a step out of order; INVALID_ARGUMENT for a malformed
+    step; INTERNAL for a worker bug (details in the worker's log only).
+    """
 
     @staticmethod
     def Describe(request,
