@@ -5,8 +5,9 @@ Heavy imports happen inside each subcommand, so that `nanovllm scheduler` never 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
+
+from common.log_format import configure_logging
 
 DEFAULT_PORT = 50051
 DEFAULT_WORKER_PORT = 50061
@@ -36,6 +37,8 @@ def add_scheduler_options(parser: argparse.ArgumentParser) -> None:
                        help="decode iterations per step when only decodes run (tokens per stream message)")
     group.add_argument("--shutdown-grace", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM")
+    group.add_argument("--metrics-port", type=int, default=0,
+                       help="serve Prometheus metrics on --host:PORT/metrics (0: off)")
 
 
 def add_batch_options(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +65,12 @@ def scheduler_config_from(args: argparse.Namespace):
                            num_decode_steps=args.num_decode_steps)
 
 
+def observability_config_from(args: argparse.Namespace):
+    from common.config import ObservabilityConfig
+
+    return ObservabilityConfig(metrics_port=args.metrics_port, log_format=args.log_format)
+
+
 def check_health(target: str, timeout: float) -> int:
     """grpc.health.v1 Check of the whole server: 0 when SERVING (for container health checks)."""
     import grpc
@@ -81,6 +90,8 @@ def check_health(target: str, timeout: float) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanovllm", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-format", default="text", choices=["text", "json"],
+                        help="json: one JSON object per line, for log pipelines")
     commands = parser.add_subparsers(dest="command", required=True)
 
     worker = commands.add_parser("worker", help="serve a model's worker (Step RPCs) on --worker-port")
@@ -109,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     try:
         return _run(args)
     except ValueError as error:  # a bad option value: say which, without a traceback

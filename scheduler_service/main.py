@@ -10,9 +10,10 @@ import asyncio
 import logging
 import signal
 
-from common.cli import scheduler_config_from
+from common.cli import observability_config_from, scheduler_config_from
 from common.gc_pauses import freeze_startup_objects
 from scheduler_service.async_engine import AsyncEngine
+from scheduler_service.metrics import MetricsServer
 from scheduler_service.public_server import build_public_server
 from scheduler_service.tokenizer import eos_token_ids, load_tokenizer
 from scheduler_service.worker_client import GrpcWorkerClient
@@ -23,6 +24,7 @@ logger = logging.getLogger(__name__)
 async def run_scheduler_async(args: argparse.Namespace, tokenizer_path: str | None,
                               stop: asyncio.Event | None = None) -> None:
     config = scheduler_config_from(args)  # bad options fail here, before waiting for a worker
+    observability = observability_config_from(args)
     # One lane per worker address: data parallelism, a block pool per worker.
     workers = [GrpcWorkerClient(address.strip()) for address in args.worker.split(",") if address.strip()]
     if tokenizer_path is None:
@@ -32,6 +34,10 @@ async def run_scheduler_async(args: argparse.Namespace, tokenizer_path: str | No
                                      eos_token_ids(tokenizer_path, tokenizer))
     server = build_public_server(engine, args.host, args.port)
     await server.start()
+    metrics_server = None
+    if observability.metrics_port:
+        metrics_server = MetricsServer(engine.metrics.registry, args.host, observability.metrics_port)
+        logger.info("Prometheus metrics on http://%s:%d/metrics", args.host, metrics_server.port)
     freeze_startup_objects()
     logger.info("scheduler listening on %s:%d (worker %s); health is SERVING once the worker is ready",
                 args.host, server.port, args.worker)
@@ -44,6 +50,8 @@ async def run_scheduler_async(args: argparse.Namespace, tokenizer_path: str | No
     await server.set_not_serving()
     await engine.shutdown(args.shutdown_grace)
     await server.stop(1.0)
+    if metrics_server is not None:
+        metrics_server.close()
     logger.info("scheduler stopped")
 
 

@@ -17,6 +17,7 @@ import grpc
 from common.config import SchedulerConfig, WorkerInfo
 from common.generated.nanovllm.worker.v1 import worker_pb2
 from scheduler_service.engine_core import EngineCore, InFlightStep, TokenUpdate
+from scheduler_service.metrics import ServiceMetrics
 from scheduler_service.sequence import FinishReason, Sequence, SequenceStatus
 from scheduler_service.worker_client import WorkerClient
 
@@ -44,13 +45,16 @@ def worker_info_from(describe: worker_pb2.DescribeResponse, num_kv_blocks: int) 
 class WorkerLane:
     def __init__(self, config: SchedulerConfig, worker: WorkerClient, extra_eos_token_ids: set[int],
                  on_updates: Callable[[list[TokenUpdate]], None],
-                 on_failure: Callable[[WorkerLane, Exception], None], on_ready: Callable[[], None]) -> None:
+                 on_failure: Callable[[WorkerLane, Exception], None], on_ready: Callable[[], None],
+                 metrics: ServiceMetrics | None = None) -> None:
         self.config = config
         self.worker = worker
         self.extra_eos_token_ids = extra_eos_token_ids
         self.on_updates = on_updates
         self.on_failure = on_failure
         self.on_ready = on_ready
+        self.metrics = metrics or ServiceMetrics()
+        self._was_lost = False  # a worker answered before and then went away
         self.core: EngineCore | None = None
         self.model_info: ModelInfo | None = None
         self.orphans: list[Sequence] = []  # unfinished while no worker is connected
@@ -60,6 +64,14 @@ class WorkerLane:
     @property
     def is_ready(self) -> bool:
         return self.core is not None
+
+    @property
+    def address(self) -> str:
+        return self.worker.address
+
+    @property
+    def num_orphans(self) -> int:
+        return len(self.orphans)
 
     @property
     def num_unfinished(self) -> int:
@@ -117,6 +129,9 @@ class WorkerLane:
         self.model_info = ModelInfo(info.model_name, core.max_model_len, info.vocab_size, tuple(sorted(eos)),
                                     info.block_size, info.num_kv_blocks)
         self.core = core
+        if self._was_lost:
+            self.metrics.counters.worker_recoveries += 1
+            self._was_lost = False
         self.on_ready()
         logger.info("worker %s ready: %s, %d KV blocks of %d tokens, max_model_len %d", self.worker.address,
                     info.model_name, info.num_kv_blocks, info.block_size, core.max_model_len)
@@ -124,6 +139,7 @@ class WorkerLane:
     def _on_worker_lost(self) -> None:
         if self.core is not None:
             self.orphans = self.core.take_unfinished()
+            self._was_lost = True
         self.core = None
 
     async def _drive(self) -> None:
@@ -144,6 +160,7 @@ class WorkerLane:
                         task.cancel()
                     raise
                 self.on_updates(core.process_step(in_flight[0], response))
+                self.metrics.observe_step(core, response.worker_time_us * 1e-6)
             elif step is None:
                 raise RuntimeError("requests are waiting but none can be scheduled")
             in_flight = (step, task) if step is not None else None
