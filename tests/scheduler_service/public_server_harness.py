@@ -43,7 +43,7 @@ def default_script(prompt: list[int], params: SamplingParams) -> list[RequestOut
     """ "hello", " world", then EOS: three deltas, logprobs when asked."""
     outputs = []
     for index, (text, token_id) in enumerate([("hello", 6), (" world", 7), ("", EOS_ID)]):
-        out = RequestOutput(text=text, token_ids=[token_id])
+        out = RequestOutput(text=text, token_ids=[token_id], num_prompt_tokens=len(prompt))  # as the engine's
         if params.logprobs:
             out.logprobs = [-0.5 * (index + 1)]
             if params.num_top_logprobs:
