@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-warmup", type=int, default=8, help="short requests before measuring")
     parser.add_argument("--json-out", help="write the results here")
     parser.add_argument("--plot", help="write the latency-throughput plot (PNG) here")
+    parser.add_argument("--from-json", help="no run: print the table and plot the results of an earlier --json-out "
+                        "(e.g. on a machine with matplotlib, after a GPU run)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for SERVING")
     return parser.parse_args(argv)
 
@@ -226,9 +228,12 @@ def _commit() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    results = asyncio.run(run(args))
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())
+    else:
+        results = asyncio.run(run(args))
     print(table(results["runs"], results["single_stream"]))
-    if args.json_out:
+    if args.json_out and not args.from_json:
         Path(args.json_out).write_text(json.dumps(results, indent=2))
     if args.plot:
         title = f"{results['model']['name']} ({results['commit']}): latency against throughput"
