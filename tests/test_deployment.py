@@ -51,3 +51,24 @@ def test_health_command_reports_not_serving_without_a_server() -> None:
     result = run_cli("health", "--target", f"127.0.0.1:{free_port()}", "--timeout", "1")
     assert result.returncode == 1
     assert "UNAVAILABLE" in result.stderr
+
+
+def bind_mount(volume: str | dict) -> tuple[str, str]:
+    """(source relative to the repository, target) of a volume as docker-compose v1 (a
+    "source:target:mode" string) or v2 (a mapping) prints it."""
+    source, target = (volume["source"], volume["target"]) if isinstance(volume, dict) else volume.split(":")[:2]
+    return Path(source).relative_to(REPO_ROOT).as_posix(), target
+
+
+def test_prometheus_and_grafana_mount_the_monitoring_files(compose: dict) -> None:
+    scheduler = compose["services"]["scheduler"]["command"]
+    assert scheduler[scheduler.index("--metrics-port") + 1] == "8000"
+    prometheus, grafana = compose["services"]["prometheus"], compose["services"]["grafana"]
+    mounts = dict(bind_mount(volume) for service in (prometheus, grafana) for volume in service["volumes"])
+    assert mounts == {
+        "scheduler_service/monitoring/prometheus.yml": "/etc/prometheus/prometheus.yml",
+        "scheduler_service/monitoring/grafana/provisioning": "/etc/grafana/provisioning",
+        "scheduler_service/monitoring/grafana/dashboards": "/var/lib/grafana/dashboards",
+    }
+    assert all((REPO_ROOT / source).exists() for source in mounts)
+    assert {int(p["published"]) for s in (prometheus, grafana) for p in s["ports"]} == {9090, 3000}
