@@ -61,25 +61,27 @@ class RequestRecord:
         self.last_output_time = 0.0
         self.last: RequestOutput | None = None
         self.num_output_tokens = 0
+        self.inter_token_latencies: list[float] = []  # binned into the histogram at the end
 
     def __enter__(self) -> RequestRecord:
         return self
 
     def on_output(self, output: RequestOutput) -> None:
-        """Per delta: kept to a clock read, two additions and one lock-free observation."""
-        now = time.perf_counter()
-        num_tokens = len(output.token_ids)
-        if num_tokens:
-            if self.first_token_time is None:
-                self.first_token_time = now
-                self.metrics.time_to_first_token.observe(now - self.arrival)
-                self.metrics.counters.prompt_tokens += output.num_prompt_tokens
-            else:
-                self.metrics.inter_token_latency.observe((now - self.last_output_time) / num_tokens)
-            self.last_output_time = now
-            self.num_output_tokens += num_tokens
-            self.metrics.counters.generation_tokens += num_tokens
+        """Per delta: kept to a clock read, an append and a few additions (about 0.5 us)."""
         self.last = output
+        num_tokens = len(output.token_ids)
+        if not num_tokens:
+            return
+        now = time.perf_counter()
+        if self.first_token_time is None:
+            self.first_token_time = now
+            self.metrics.time_to_first_token.observe(now - self.arrival)
+            self.metrics.counters.prompt_tokens += output.num_prompt_tokens
+        else:
+            self.inter_token_latencies.append((now - self.last_output_time) / num_tokens)
+        self.last_output_time = now
+        self.num_output_tokens += num_tokens
+        self.metrics.counters.generation_tokens += num_tokens
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  traceback: TracebackType | None) -> None:
@@ -110,6 +112,7 @@ class RequestRecord:
         end = time.perf_counter()
         last = self.last
         e2e = end - self.arrival
+        self.metrics.inter_token_latency.observe_many(self.inter_token_latencies)
         if last is not None and last.finished:
             self.metrics.e2e_request_latency.observe(e2e)
             self.metrics.request_prompt_tokens.observe(last.num_prompt_tokens)
