@@ -4,7 +4,7 @@ What is recorded, and where (always on the event loop's thread, at the event its
 - per request, when it ends (scheduler_service.request_record): success/failure counters,
   TTFT, e2e, queue time and length histograms, its prompt tokens; per delta: generation tokens
   and the inter-token latency;
-- per step (scheduler_service.worker_lane): step time, and the engine's own counters (prefix
+- per step (scheduler_service.worker_lane): step period, and the engine's own counters (prefix
   cache, preemptions) carried over as differences;
 - at scrape time (a collector): running/waiting requests, KV usage and ready workers, read from
   the scheduler state (scheduler_service.load_report), so nothing is set on the hot path.
@@ -120,7 +120,8 @@ class ServiceMetrics:
             "nanovllm_request_queue_time_seconds", "From the request's entry in the queue to its first step",
             buckets=QUEUE_BUCKETS, registry=self.registry)
         self.step_duration = Histogram(
-            "nanovllm_step_duration_seconds", "Wall time a worker spent on one engine step",
+            "nanovllm_step_duration_seconds",
+            "Time between consecutive step results while the engine is busy (GPU time and unhidden overhead)",
             buckets=STEP_BUCKETS, registry=self.registry)
         self.request_prompt_tokens = Histogram(
             "nanovllm_request_prompt_tokens", "Prompt length of finished requests, in tokens",
@@ -145,9 +146,11 @@ class ServiceMetrics:
     def load_report(self) -> LoadReport | None:
         return self._load() if self._load is not None else None
 
-    def observe_step(self, core: Any, worker_time_s: float) -> None:
-        """Once per engine step: the step's time and the engine core's counters since the last step."""
-        self.step_duration.observe(worker_time_s)
+    def observe_step(self, core: Any, step_period_s: float | None) -> None:
+        """Once per engine step: the time since the previous step's result (None after an idle gap)
+        and the engine core's counters since the last step."""
+        if step_period_s is not None:
+            self.step_duration.observe(step_period_s)
         scheduler, blocks = core.scheduler, core.block_manager
         counts = (blocks.num_prefix_query_tokens, blocks.num_prefix_hit_tokens, scheduler.num_preemptions)
         queries, hits, preemptions = self._core_counts.get(core, (0, 0, 0))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -146,6 +147,9 @@ class WorkerLane:
         core = self.core
         assert core is not None
         in_flight: tuple[InFlightStep, asyncio.Task] | None = None
+        # When the last step's result arrived, while steps follow each other with no idle gap: the
+        # time to the next result is the engine's step period (GPU time plus unhidden overhead).
+        last_result: float | None = None
         while True:
             if in_flight is None and not core.has_unfinished:
                 await self._idle(core)
@@ -160,7 +164,9 @@ class WorkerLane:
                         task.cancel()
                     raise
                 self.on_updates(core.process_step(in_flight[0], response))
-                self.metrics.observe_step(core, response.worker_time_us * 1e-6)
+                now = time.perf_counter()
+                self.metrics.observe_step(core, None if last_result is None else now - last_result)
+                last_result = now if step is not None else None
             elif step is None:
                 raise RuntimeError("requests are waiting but none can be scheduled")
             in_flight = (step, task) if step is not None else None

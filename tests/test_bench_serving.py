@@ -45,3 +45,9 @@ def test_serving_benchmark_reports_every_rate_and_the_single_stream(tmp_path: Pa
     assert results["slo"] == {"ttft_ms": 1000.0, "tpot_ms": 50.0}
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| rate (req/s) |" in result.stdout
+    # The plot again from the JSON alone, as after a GPU run on a machine without matplotlib.
+    replot = tmp_path / "replot.png"
+    again = subprocess.run([sys.executable, "bench/serving.py", "--from-json", str(json_out), "--plot", str(replot)],
+                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert replot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
