@@ -51,3 +51,16 @@ def test_serving_benchmark_reports_every_rate_and_the_single_stream(tmp_path: Pa
                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr
     assert replot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_reference_workload_lengths_and_poisson_arrivals() -> None:
+    from bench.serving import arrival_offsets, build_workload, parse_args
+
+    args = parse_args(["--num-prompts", "64", "--max-input-len", "300", "--max-output-len", "200"])
+    workload = build_workload(args, vocab_size=512)
+    assert len(workload) == 64
+    assert all(100 <= len(prompt) <= 300 and 100 <= max_tokens <= 200 for prompt, max_tokens in workload)
+    assert all(0 <= token < 512 for prompt, _ in workload for token in prompt)
+    assert arrival_offsets(5, float("inf"), seed=0) == [0.0] * 5
+    offsets = arrival_offsets(1000, 10.0, seed=0)
+    assert offsets == sorted(offsets) and offsets[0] == 0.0 and offsets == arrival_offsets(1000, 10.0, seed=0)
