@@ -6,6 +6,10 @@
 #   throughput  bench/throughput.py, in-process and through gRPC (random Qwen3-0.6B, bf16)
 #   inprocess   bench/throughput.py, in-process only
 #   hf          bench/throughput.py, transformers' continuous batching vs ours on the first 32
+#   serving     bench/serving.py against `nanovllm worker` + `nanovllm scheduler` (random Qwen3-0.6B):
+#               Poisson rates 4..32 and inf on the reference workload, single-stream 512/2048, then 256
+#               concurrent streams of 1024+256 tokens; JSON and the scheduler's /metrics in $OUT
+#               (plot afterwards where matplotlib is: python bench/serving.py --from-json F --plot F.png)
 # Logs go to $OUT (or ./out). Expects a CUDA machine with torch, triton, transformers; carried
 # wheels in .whl (grpcio 1.85, health checking, reflection) are installed first if present.
 set -uo pipefail
@@ -16,6 +20,23 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
+serving_stage() {
+  local model=/tmp/nanovllm-bench/random-qwen3-0.6b wport=50161 port=50151 mport=50191
+  python3 -c "from pathlib import Path; from bench.random_checkpoint import make_random_checkpoint as m; m(Path('$model'))"
+  python3 -m common.cli --log-level WARNING worker --model "$model" --port $wport >"$OUT/serving-worker.log" 2>&1 &
+  local worker=$!
+  python3 -m common.cli --log-level WARNING scheduler --worker 127.0.0.1:$wport --port $port --metrics-port $mport \
+    >"$OUT/serving-scheduler.log" 2>&1 &
+  local scheduler=$!
+  timeout 420 python3 bench/serving.py --target 127.0.0.1:$port --request-rates 4,8,16,32,inf \
+    --json-out "$OUT/serving.json" 2>&1 | tee "$OUT/serving.log" | tail -12
+  timeout 120 python3 bench/serving.py --target 127.0.0.1:$port --request-rates inf --max-concurrency 256 \
+    --dataset fixed --input-len 1024 --output-len 256 --single-stream-prompt-lens "" \
+    --json-out "$OUT/serving-c256.json" 2>&1 | tee "$OUT/serving-c256.log" | tail -4
+  python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$mport/metrics').read().decode())" \
+    >"$OUT/serving-metrics.txt"
+  kill $scheduler $worker; wait $scheduler $worker
+}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown) $(date -u +%FT%TZ)" | tee -a "$OUT/gpu.txt"
 for s in ${@:-tests attention throughput}; do
@@ -33,6 +54,7 @@ for s in ${@:-tests attention throughput}; do
              2>&1 | tee "$OUT/inprocess.log" | tail -25 ;;
     hf) timeout 540 python3 bench/throughput.py --modes inprocess,hf --json-out "$OUT/hf.json" \
              2>&1 | tee "$OUT/hf.log" | tail -25 ;;
+    serving) serving_stage ;;
     *) echo "unknown stage $s" ;;
   esac
 done

@@ -5,8 +5,9 @@ Heavy imports happen inside each subcommand, so that `nanovllm scheduler` never 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
+
+from common.log_format import configure_logging
 
 DEFAULT_PORT = 50051
 DEFAULT_WORKER_PORT = 50061
@@ -42,6 +43,8 @@ def add_scheduler_options(parser: argparse.ArgumentParser) -> None:
                        help="seconds in-flight requests get to finish after SIGTERM or SIGINT")
     group.add_argument("--worker-timeout", type=float, default=60.0,
                        help="seconds a lost worker's requests wait for it to answer again (then UNAVAILABLE)")
+    group.add_argument("--metrics-port", type=int, default=0,
+                       help="serve Prometheus metrics on --host:PORT/metrics (0: off)")
     add_public_port_options(parser)
 
 
@@ -130,6 +133,12 @@ def public_server_config_from(args: argparse.Namespace):
                               reflection=args.reflection, max_concurrent_calls=args.max_concurrent_calls)
 
 
+def observability_config_from(args: argparse.Namespace):
+    from common.config import ObservabilityConfig
+
+    return ObservabilityConfig(metrics_port=args.metrics_port, log_format=args.log_format)
+
+
 def check_health(args: argparse.Namespace) -> int:
     """grpc.health.v1 Check of the whole server: 0 when SERVING (for container health checks)."""
     import grpc
@@ -151,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     formatter = argparse.ArgumentDefaultsHelpFormatter  # --help shows each default
     parser = argparse.ArgumentParser(prog="nanovllm", description=__doc__.splitlines()[0], formatter_class=formatter)
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    parser.add_argument("--log-format", default="text", choices=["text", "json"],
+                        help="json: one JSON object per line, for log pipelines")
     commands = parser.add_subparsers(dest="command", required=True)
 
     def add_parser(name: str, help: str) -> argparse.ArgumentParser:
@@ -188,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     try:
         return _run(args)
     except ValueError as error:  # a bad option value: say which, without a traceback

@@ -72,6 +72,18 @@ class PublicServerConfig:
 
 
 @dataclass(frozen=True)
+class ObservabilityConfig:
+    """How a service reports on itself: the Prometheus port (0: off) and the log line format."""
+
+    metrics_port: int = 0
+    log_format: str = "text"  # "text" for people, "json" (one object per line) for log pipelines
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.metrics_port <= 65535, "metrics_port", f"must be in [0, 65535], got {self.metrics_port}")
+        _require(self.log_format in ("text", "json"), "log_format", f"must be text or json, got {self.log_format!r}")
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
     """What a worker loads and how much memory its KV cache may take."""
 

@@ -18,12 +18,14 @@ from common.config import SchedulerConfig
 from common.sampling_params import SamplingParams
 from scheduler_service.engine_core import TokenUpdate
 from scheduler_service.errors import EngineUnavailableError, WorkerLostError, WorkerStepError
+from scheduler_service.load_report import LoadReport, load_report
+from scheduler_service.metrics import ServiceMetrics
 from scheduler_service.sequence import FinishReason, Sequence
 from scheduler_service.worker_client import WorkerClient
 from scheduler_service.worker_lane import ModelInfo, WorkerLane
 
 logger = logging.getLogger(__name__)
-__all__ = ["AsyncEngine", "ModelInfo", "RequestOutput"]
+__all__ = ["AsyncEngine", "LoadReport", "ModelInfo", "RequestOutput"]
 
 
 @dataclass
@@ -40,6 +42,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    queue_time_s: float | None = None  # set on the last output, once the request was ever scheduled
 
 
 @dataclass
@@ -51,25 +54,30 @@ class _Request:
 
 class AsyncEngine:
     """Created with `await AsyncEngine.start(config, worker_or_workers, tokenizer)`; stopped with
-    `await engine.shutdown(grace_seconds)`."""
+    `await engine.shutdown(grace_seconds)`. Its metrics (engine.metrics, a registry of its own
+    unless one is given) are fed by the lanes and read the load report at scrape time."""
 
     def __init__(self, config: SchedulerConfig, workers: WorkerClient | SequenceABC[WorkerClient],
-                 tokenizer: Any | None, eos_token_ids: set[int] | None = None) -> None:
+                 tokenizer: Any | None, eos_token_ids: set[int] | None = None,
+                 metrics: ServiceMetrics | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         workers = [workers] if not isinstance(workers, SequenceABC) else list(workers)
         if not workers:
             raise ValueError("worker: at least one worker address is needed")
+        self.metrics = metrics or ServiceMetrics()
         self._ready = asyncio.Event()
         self.lanes = [WorkerLane(config, worker, set(eos_token_ids or ()), self._dispatch, self._fail_lane,
-                                 self._ready.set) for worker in workers]
+                                 self._ready.set, self.metrics) for worker in workers]
+        self.metrics.set_load_source(self.load)
         self._requests: dict[int, _Request] = {}
         self._draining = False
 
     @classmethod
     async def start(cls, config: SchedulerConfig, workers: WorkerClient | SequenceABC[WorkerClient],
-                    tokenizer: Any | None, eos_token_ids: set[int] | None = None) -> AsyncEngine:
-        engine = cls(config, workers, tokenizer, eos_token_ids)
+                    tokenizer: Any | None, eos_token_ids: set[int] | None = None,
+                    metrics: ServiceMetrics | None = None) -> AsyncEngine:
+        engine = cls(config, workers, tokenizer, eos_token_ids, metrics)
         for lane in engine.lanes:
             lane.start()
         return engine
@@ -107,6 +115,10 @@ class AsyncEngine:
     @property
     def num_unfinished(self) -> int:
         return len(self._requests)
+
+    def load(self) -> LoadReport:
+        """Running and waiting requests and KV usage per worker, as of now (GetLoad, the gauges)."""
+        return load_report(self.lanes)
 
     def _pick_lane(self) -> WorkerLane:
         if self._draining:
@@ -201,6 +213,7 @@ class AsyncEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            queue_time_s=seq.queue_time_s if finished else None,
         )
 
 
@@ -227,4 +240,5 @@ def _merge(outputs: list[RequestOutput]) -> RequestOutput:
         num_prompt_tokens=last.num_prompt_tokens,
         num_output_tokens=last.num_output_tokens,
         num_cached_tokens=last.num_cached_tokens,
+        queue_time_s=last.queue_time_s,
     )

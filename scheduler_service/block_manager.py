@@ -55,7 +55,8 @@ class BlockManager:
         # Insertion order is the order blocks were freed: the front is reused first.
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block_id: dict[int, int] = {}
-        self.num_prefix_hit_tokens = 0  # counter, for tests and metrics
+        self.num_prefix_hit_tokens = 0  # counters, for tests and metrics
+        self.num_prefix_query_tokens = 0
 
     @property
     def num_blocks(self) -> int:
@@ -108,7 +109,9 @@ class BlockManager:
             seq.block_table.append(block.block_id)
         seq.block_hashes = list(hit.hashes)
         seq.num_computed_tokens = seq.num_cached_tokens = num_cached_tokens
-        self.num_prefix_hit_tokens += num_cached_tokens
+        if self.enable_prefix_caching:
+            self.num_prefix_query_tokens += seq.num_tokens
+            self.num_prefix_hit_tokens += num_cached_tokens
         return self.allocate_slots(seq, num_cached_tokens + num_new_tokens)
 
     def allocate_slots(self, seq: Sequence, num_tokens: int) -> bool:

@@ -11,10 +11,11 @@ import logging
 import signal
 from collections.abc import Callable
 
-from common.cli import public_server_config_from, scheduler_config_from, worker_link_from
+from common.cli import observability_config_from, public_server_config_from, scheduler_config_from, worker_link_from
 from common.gc_pauses import freeze_startup_objects
 from scheduler_service.api_keys import ApiKeys
 from scheduler_service.async_engine import AsyncEngine
+from scheduler_service.metrics import MetricsServer
 from scheduler_service.public_server import PublicServer, build_public_server, check_port_free
 from scheduler_service.public_tls import check_readable
 from scheduler_service.tokenizer import eos_token_ids, load_tokenizer
@@ -41,18 +42,22 @@ async def run_scheduler_async(args: argparse.Namespace, tokenizer_path: str | No
         stopped.cancel()
         logger.info("stopped during start-up")
         return
-    engine, server = started.result()  # raises start-up errors (bad options, port in use)
+    engine, server, metrics_server = started.result()  # raises start-up errors (bad options, port in use)
     await stopped
     logger.info("draining: new requests get UNAVAILABLE, %.0f s for those in flight", args.shutdown_grace)
     await server.set_not_serving()
     await engine.shutdown(args.shutdown_grace)
     await server.stop(1.0)
+    if metrics_server is not None:
+        metrics_server.close()
     logger.info("scheduler stopped")
 
 
 async def _start(args: argparse.Namespace, tokenizer_path: str | None,
-                 on_engine: Callable[[AsyncEngine], None] | None) -> tuple[AsyncEngine, PublicServer]:
+                 on_engine: Callable[[AsyncEngine], None] | None,
+                 ) -> tuple[AsyncEngine, PublicServer, MetricsServer | None]:
     config = scheduler_config_from(args)  # bad options fail here, before waiting for a worker
+    observability = observability_config_from(args)
     link = worker_link_from(args)
     public_config = public_server_config_from(args)
     api_keys = ApiKeys.from_config(public_config.api_key_file)
@@ -70,11 +75,15 @@ async def _start(args: argparse.Namespace, tokenizer_path: str | None,
         on_engine(engine)
     server = build_public_server(engine, args.host, args.port, config=public_config, api_keys=api_keys)
     await server.start()
+    metrics_server = None
+    if observability.metrics_port:
+        metrics_server = MetricsServer(engine.metrics.registry, args.host, observability.metrics_port)
+        logger.info("Prometheus metrics on http://%s:%d/metrics", args.host, metrics_server.port)
     freeze_startup_objects()
     logger.info("scheduler listening on %s:%d (%s, %s; worker %s); health is SERVING once the worker is ready",
                 args.host, server.port, "TLS" if public_config.tls_cert else "plaintext",
                 "API keys required" if api_keys else "no API keys", args.worker)
-    return engine, server
+    return engine, server, metrics_server
 
 
 async def _worker_model_path(worker: GrpcWorkerClient) -> str:

@@ -25,12 +25,19 @@ from common.generated.nanovllm.generate.v1 import generate_pb2, generate_pb2_grp
 from common.sampling_params import SamplingParams
 from scheduler_service import request_conversion as convert
 from scheduler_service.api_keys import ApiKeyInterceptor, ApiKeys
-from scheduler_service.async_engine import ModelInfo, RequestOutput
+from scheduler_service.async_engine import LoadReport, ModelInfo, RequestOutput
 from scheduler_service.error_interceptor import ErrorMappingInterceptor
 from scheduler_service.errors import RequestError
+from scheduler_service.metrics import ServiceMetrics
 from scheduler_service.public_tls import ReloadingCertificates
 from scheduler_service.reflection_pool import public_descriptor_pool
-from scheduler_service.response_conversion import ResponseAccumulator, model_info_response, stream_response
+from scheduler_service.request_record import RequestRecord
+from scheduler_service.response_conversion import (
+    ResponseAccumulator,
+    load_response,
+    model_info_response,
+    stream_response,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +79,13 @@ class Engine(Protocol):
 
     model_info: ModelInfo
     tokenizer: Any | None
+    metrics: ServiceMetrics  # the request metrics are recorded here
 
     @property
     def is_ready(self) -> bool: ...
+
+    def load(self) -> LoadReport:
+        """Running and waiting requests and KV usage per worker."""
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
         """Closing the generator early aborts the request and frees its KV blocks. The handlers close
@@ -101,20 +112,24 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
     async def Generate(self, request: generate_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> generate_pb2.GenerateResponse:
         request_id = convert.request_id_of(request)
-        prompt, params = await self._run_tokenizer(self._convert, request)
-        response = ResponseAccumulator(request_id)
-        async with contextlib.aclosing(self.engine.generate(prompt, params)) as outputs:
-            async for output in outputs:
-                response.add(output)
+        with RequestRecord(self.engine.metrics, "Generate", request_id, context) as record:
+            prompt, params = await self._run_tokenizer(self._convert, request)
+            response = ResponseAccumulator(request_id)
+            async with contextlib.aclosing(self.engine.generate(prompt, params)) as outputs:
+                async for output in outputs:
+                    record.on_output(output)
+                    response.add(output)
         return response.result()
 
     async def GenerateStream(self, request: generate_pb2.GenerateRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateStreamResponse]:
         request_id = convert.request_id_of(request)
-        prompt, params = await self._run_tokenizer(self._convert, request)
-        async with contextlib.aclosing(self.engine.generate(prompt, params)) as outputs:
-            async for output in outputs:
-                yield stream_response(request_id, output)
+        with RequestRecord(self.engine.metrics, "GenerateStream", request_id, context) as record:
+            prompt, params = await self._run_tokenizer(self._convert, request)
+            async with contextlib.aclosing(self.engine.generate(prompt, params)) as outputs:
+                async for output in outputs:
+                    record.on_output(output)
+                    yield stream_response(request_id, output)
 
     async def Tokenize(self, request: generate_pb2.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> generate_pb2.TokenizeResponse:
@@ -143,6 +158,10 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
     async def GetModelInfo(self, request: generate_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> generate_pb2.GetModelInfoResponse:
         return model_info_response(self.engine.model_info, self.engine.tokenizer)
+
+    async def GetLoad(self, request: generate_pb2.GetLoadRequest,
+                      context: grpc.aio.ServicerContext) -> generate_pb2.GetLoadResponse:
+        return load_response(self.engine.load())
 
     def close(self) -> None:
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)

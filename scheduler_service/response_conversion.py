@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from common.generated.nanovllm.generate.v1 import generate_pb2
 from common.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
-from scheduler_service.async_engine import ModelInfo, RequestOutput
+from scheduler_service.async_engine import LoadReport, ModelInfo, RequestOutput
 from scheduler_service.sequence import FinishReason
 
 FINISH_REASON_TO_PROTO = {
@@ -84,4 +84,17 @@ def model_info_response(model_info: ModelInfo, tokenizer: object | None) -> gene
         has_chat_template=getattr(tokenizer, "chat_template", None) is not None,
         block_size=model_info.block_size,
         num_kv_blocks=model_info.num_kv_blocks,
+    )
+
+
+def load_response(report: LoadReport) -> generate_pb2.GetLoadResponse:
+    return generate_pb2.GetLoadResponse(
+        num_requests_running=report.num_running,
+        num_requests_waiting=report.num_waiting,
+        kv_cache_usage=report.kv_cache_usage,
+        num_workers_ready=report.num_workers_ready,
+        workers=[generate_pb2.WorkerLoad(
+            address=w.address, ready=w.is_ready, num_requests_running=w.num_running,
+            num_requests_waiting=w.num_waiting, kv_cache_usage=w.kv_cache_usage, num_kv_blocks=w.num_kv_blocks,
+            num_free_kv_blocks=w.num_free_kv_blocks) for w in report.workers],
     )

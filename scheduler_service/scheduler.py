@@ -8,6 +8,7 @@ waits at the front of the queue to be recomputed from its tokens.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -130,6 +131,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             output.scheduled.append(self._mark_scheduled(seq, num_tokens))
             budget -= num_tokens

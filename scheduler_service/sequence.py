@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
@@ -56,6 +57,15 @@ class Sequence:
     num_pending_tokens: int = 0
     # Turns output tokens into text and watches for stop strings (None: token ids only).
     detokenizer: Any = None
+    # time.monotonic() when queued, and when first admitted to a step (for the queue-time metric).
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+
+    @property
+    def queue_time_s(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

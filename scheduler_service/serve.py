@@ -33,7 +33,8 @@ def _free_port() -> int:
 
 def worker_command(args: argparse.Namespace, port: int) -> list[str]:
     return [
-        sys.executable, "-m", "common.cli", "--log-level", args.log_level, "worker",
+        sys.executable, "-m", "common.cli", "--log-level", args.log_level, "--log-format", args.log_format,
+        "worker",
         "--model", args.model, "--host", "127.0.0.1", "--port", str(port),
         "--dtype", args.dtype, "--device", args.device, "--block-size", str(args.block_size),
         "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization", str(args.gpu_memory_utilization),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from common.config import SchedulerConfig, WorkerInfo
 from common.generated.nanovllm.worker.v1 import worker_pb2
 from scheduler_service.engine_core import EngineCore, InFlightStep, TokenUpdate
 from scheduler_service.errors import WorkerLostError, WorkerStepError
+from scheduler_service.metrics import ServiceMetrics
 from scheduler_service.sequence import FinishReason, Sequence, SequenceStatus
 from scheduler_service.worker_client import WorkerClient
 from scheduler_service.worker_faults import StepFailedError, WorkerFault, classify
@@ -50,7 +52,7 @@ class WorkerLane:
     def __init__(self, config: SchedulerConfig, worker: WorkerClient, extra_eos_token_ids: set[int],
                  on_updates: Callable[[list[TokenUpdate]], None],
                  on_failure: Callable[[WorkerLane, Exception, list[Sequence] | None], None],
-                 on_ready: Callable[[], None]) -> None:
+                 on_ready: Callable[[], None], metrics: ServiceMetrics | None = None) -> None:
         """on_failure(lane, error, sequences) ends those requests with error (None: all of the lane's)."""
         self.config = config
         self.worker = worker
@@ -58,6 +60,8 @@ class WorkerLane:
         self.on_updates = on_updates
         self.on_failure = on_failure
         self.on_ready = on_ready
+        self.metrics = metrics or ServiceMetrics()
+        self._was_lost = False  # a worker answered before and then went away
         self.core: EngineCore | None = None
         self.model_info: ModelInfo | None = None
         self.orphans: list[Sequence] = []  # unfinished while no worker is connected
@@ -68,6 +72,14 @@ class WorkerLane:
     @property
     def is_ready(self) -> bool:
         return self.core is not None
+
+    @property
+    def address(self) -> str:
+        return self.worker.address
+
+    @property
+    def num_orphans(self) -> int:
+        return len(self.orphans)
 
     @property
     def num_unfinished(self) -> int:
@@ -141,6 +153,9 @@ class WorkerLane:
         self.model_info = ModelInfo(info.model_name, core.max_model_len, info.vocab_size, tuple(sorted(eos)),
                                     info.block_size, info.num_kv_blocks)
         self.core = core
+        if self._was_lost:
+            self.metrics.counters.worker_recoveries += 1
+            self._was_lost = False
         self.on_ready()
         logger.info("worker %s ready: %s, %d KV blocks of %d tokens, max_model_len %d", self.worker.address,
                     info.model_name, info.num_kv_blocks, info.block_size, core.max_model_len)
@@ -148,6 +163,7 @@ class WorkerLane:
     def _on_worker_lost(self) -> None:
         if self.core is not None:
             self.orphans = self.core.take_unfinished()
+            self._was_lost = True
         self.core = None
         if self._loss_timer is None:
             self._loss_timer = asyncio.get_running_loop().call_later(self.config.worker_timeout_s,
@@ -192,6 +208,9 @@ class WorkerLane:
         core = self.core
         assert core is not None
         in_flight: tuple[InFlightStep, asyncio.Task] | None = None
+        # When the last step's result arrived, while steps follow each other with no idle gap: the
+        # time to the next result is the engine's step period (GPU time plus unhidden overhead).
+        last_result: float | None = None
         while True:
             if in_flight is None and not core.has_unfinished:
                 await self._idle(core)
@@ -212,6 +231,9 @@ class WorkerLane:
                         raise StepFailedError from error
                     raise
                 self.on_updates(core.process_step(in_flight[0], response))
+                now = time.perf_counter()
+                self.metrics.observe_step(core, None if last_result is None else now - last_result)
+                last_result = now if step is not None else None
             elif step is None:
                 raise RuntimeError("requests are waiting but none can be scheduled")
             in_flight = (step, task) if step is not None else None

@@ -61,3 +61,24 @@ def test_worker_port_is_private_and_both_share_the_secret(compose: dict) -> None
         assert [secret["source"] for secret in service["secrets"]] == ["worker_secret"]
         command = service["command"]
         assert command[command.index("--worker-secret-file") + 1] == "/run/secrets/worker_secret"
+
+
+def bind_mount(volume: str | dict) -> tuple[str, str]:
+    """(source relative to the repository, target) of a volume as docker-compose v1 (a
+    "source:target:mode" string) or v2 (a mapping) prints it."""
+    source, target = (volume["source"], volume["target"]) if isinstance(volume, dict) else volume.split(":")[:2]
+    return Path(source).relative_to(REPO_ROOT).as_posix(), target
+
+
+def test_prometheus_and_grafana_mount_the_monitoring_files(compose: dict) -> None:
+    scheduler = compose["services"]["scheduler"]["command"]
+    assert scheduler[scheduler.index("--metrics-port") + 1] == "8000"
+    prometheus, grafana = compose["services"]["prometheus"], compose["services"]["grafana"]
+    mounts = dict(bind_mount(volume) for service in (prometheus, grafana) for volume in service["volumes"])
+    assert mounts == {
+        "scheduler_service/monitoring/prometheus.yml": "/etc/prometheus/prometheus.yml",
+        "scheduler_service/monitoring/grafana/provisioning": "/etc/grafana/provisioning",
+        "scheduler_service/monitoring/grafana/dashboards": "/var/lib/grafana/dashboards",
+    }
+    assert all((REPO_ROOT / source).exists() for source in mounts)
+    assert {int(p["published"]) for s in (prometheus, grafana) for p in s["ports"]} == {9090, 3000}

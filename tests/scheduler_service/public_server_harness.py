@@ -11,6 +11,8 @@ from typing import Any
 from common.sampling_params import SamplingParams
 from scheduler_service.async_engine import ModelInfo, RequestOutput
 from scheduler_service.errors import EngineUnavailableError, QueueFullError, RequestError
+from scheduler_service.load_report import LoadReport, WorkerLoad
+from scheduler_service.metrics import ServiceMetrics
 from scheduler_service.sequence import FinishReason
 from tests.loop_thread import LoopThread, PublicServerThread
 
@@ -41,7 +43,7 @@ def default_script(prompt: list[int], params: SamplingParams) -> list[RequestOut
     """ "hello", " world", then EOS: three deltas, logprobs when asked."""
     outputs = []
     for index, (text, token_id) in enumerate([("hello", 6), (" world", 7), ("", EOS_ID)]):
-        out = RequestOutput(text=text, token_ids=[token_id])
+        out = RequestOutput(text=text, token_ids=[token_id], num_prompt_tokens=len(prompt))  # as the engine's
         if params.logprobs:
             out.logprobs = [-0.5 * (index + 1)]
             if params.num_top_logprobs:
@@ -60,6 +62,7 @@ class FakeEngine:
         self.model_info = ModelInfo(model_name="fake-model", max_model_len=max_model_len, vocab_size=vocab_size,
                                     eos_token_ids=(EOS_ID,), block_size=16, num_kv_blocks=8)
         self.tokenizer = tokenizer
+        self.metrics = ServiceMetrics()
         self.ready = True
         self.queue_full = False
         self.crash = False
@@ -71,6 +74,10 @@ class FakeEngine:
     @property
     def is_ready(self) -> bool:
         return self.ready
+
+    def load(self) -> LoadReport:
+        """One worker with three requests running, one waiting, 5 of 8 blocks in use."""
+        return LoadReport((WorkerLoad("fake-worker", True, 3, 1, 8, 3),))
 
     def validate(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:

@@ -143,6 +143,7 @@ def test_a_lost_worker_loses_no_request() -> None:
         tokens, reason = await collect(engine, [7, 8, 9], 30)
         assert worker.lose_connection_at_step is None  # the connection was lost mid-request
         assert tokens == expected_tokens([7, 8, 9], 30) and reason is FinishReason.LENGTH
+        assert engine.metrics.counters.worker_recoveries == 1
         await engine.shutdown(0)
 
     run(scenario())
@@ -155,8 +156,12 @@ def test_abandoned_stream_frees_its_blocks() -> None:
         stream = engine.generate([1, 2, 3], SamplingParams(max_tokens=200))
         await stream.__anext__()
         assert engine.num_free_blocks < engine.num_total_blocks
+        load = engine.load()
+        assert (load.num_running, load.num_waiting, load.num_workers_ready) == (1, 0, 1)
+        assert load.kv_cache_usage == 1 - engine.num_free_blocks / engine.num_total_blocks > 0
         await stream.aclose()
         assert engine.num_free_blocks == engine.num_total_blocks and engine.num_unfinished == 0
+        assert engine.load().num_running == 0 and engine.load().kv_cache_usage == 0
         await engine.shutdown(0)
 
     run(scenario())

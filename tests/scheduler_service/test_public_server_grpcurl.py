@@ -47,7 +47,7 @@ def test_list_and_describe(target: str) -> None:
     assert SERVICE_NAME in services and "grpc.health.v1.Health" in services
     methods = grpcurl(target, "list", SERVICE_NAME).stdout.split()
     assert sorted(methods) == [f"{SERVICE_NAME}.{name}" for name in
-                               ("Detokenize", "Generate", "GenerateStream", "GetModelInfo", "Tokenize")]
+                               ("Detokenize", "Generate", "GenerateStream", "GetLoad", "GetModelInfo", "Tokenize")]
     service = grpcurl(target, "describe", SERVICE_NAME).stdout
     assert "rpc GenerateStream ( .nanovllm.generate.v1.GenerateRequest ) returns ( stream" in service
     request = grpcurl(target, "describe", "nanovllm.generate.v1.GenerateRequest").stdout

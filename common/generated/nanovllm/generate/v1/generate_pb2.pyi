@@ -209,3 +209,39 @@ class GetModelInfoResponse(_message.Message):
     block_size: int
     num_kv_blocks: int
     def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_stop_strings: _Optional[int] = ..., max_stop_string_chars: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ...) -> None: ...
+
+class GetLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerLoad(_message.Message):
+    __slots__ = ("address", "ready", "num_requests_running", "num_requests_waiting", "kv_cache_usage", "num_kv_blocks", "num_free_kv_blocks")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    ready: bool
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage: float
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    def __init__(self, address: _Optional[str] = ..., ready: _Optional[bool] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ...) -> None: ...
+
+class GetLoadResponse(_message.Message):
+    __slots__ = ("num_requests_running", "num_requests_waiting", "kv_cache_usage", "num_workers_ready", "workers")
+    NUM_REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_READY_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage: float
+    num_workers_ready: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerLoad]
+    def __init__(self, num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_workers_ready: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerLoad, _Mapping]]] = ...) -> None: ...

@@ -60,6 +60,11 @@ class TextGenerationStub:
                 request_serializer=common_dot_generated_dot_nanovllm_dot_generate_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=common_dot_generated_dot_nanovllm_dot_generate_dot_v1_dot_generate__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.GetLoad = channel.unary_unary(
+                '/nanovllm.generate.v1.TextGeneration/GetLoad',
+                request_serializer=common_dot_generated_dot_nanovllm_dot_generate_dot_v1_dot_generate__pb2.GetLoadRequest.SerializeToString,
+                response_deserializer=common_dot_generated_dot_nanovllm_dot_generate_dot_v1_dot_generate__pb2.GetLoadResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServicer:
@@ -102,6 +107,15 @@ class TextGenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLoad(self, request, context):
+        """How loaded the server is right now, in total and per worker, so that a gateway can route new
+        requests to the least loaded server. The same numbers as the Prometheus gauges
+        nanovllm_num_requests_running, nanovllm_num_requests_waiting and nanovllm_kv_cache_usage_ratio.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +143,11 @@ def add_TextGenerationServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=common_dot_generated_dot_nanovllm_dot_generate_dot_v1_dot_generate__pb2.GetModelInfoRequest.FromString,
                     response_serializer=common_dot_generated_dot_nanovllm_dot_generate_dot_v1_dot_generate__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'GetLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLoad,
+                    request_deserializer=common_dot_generated_dot_nanovllm_dot_generate_dot_v1_dot_generate__pb2.GetLoadRequest.FromString,
+                    response_serializer=common_dot_generated_dot_nanovllm_dot_generate_dot_v1_dot_generate__pb2.GetLoadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -267,6 +286,33 @@ class TextGeneration:
             '/nanovllm.generate.v1.TextGeneration/GetModelInfo',
             common_dot_generated_dot_nanovllm_dot_generate_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
             common_dot_generated_dot_nanovllm_dot_generate_dot_v1_dot_generate__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nanovllm.generate.v1.TextGeneration/GetLoad',
+            common_dot_generated_dot_nanovllm_dot_generate_dot_v1_dot_generate__pb2.GetLoadRequest.SerializeToString,
+            common_dot_generated_dot_nanovllm_dot_generate_dot_v1_dot_generate__pb2.GetLoadResponse.FromString,
             options,
             channel_credentials,
             insecure,

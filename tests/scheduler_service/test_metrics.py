@@ -1,0 +1,51 @@
+"""ServiceMetrics' own recording, read back over HTTP: the lock-free inter-token histogram's
+buckets, and engine counters carried across a lane's new engine core (a reconnected worker)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from scheduler_service.metrics import ITL_BUCKETS, MetricsServer, ServiceMetrics
+from tests.metrics_scrape import scrape, value
+
+
+def scraped(metrics: ServiceMetrics) -> dict:
+    server = MetricsServer(metrics.registry, "127.0.0.1", 0)
+    try:
+        return scrape(server.port)
+    finally:
+        server.close()
+
+
+class FakeCore:
+    """What observe_step reads of an EngineCore (weakly referenced, as a real core is)."""
+
+    def __init__(self, queries: int, hits: int, preemptions: int) -> None:
+        self.block_manager = SimpleNamespace(num_prefix_query_tokens=queries, num_prefix_hit_tokens=hits)
+        self.scheduler = SimpleNamespace(num_preemptions=preemptions)
+
+
+def test_inter_token_buckets_count_a_value_on_a_bound_in_that_bucket() -> None:
+    metrics = ServiceMetrics()
+    metrics.inter_token_latency.observe_many([0.001, 0.0011, 0.00005])
+    metrics.inter_token_latency.observe(100.0)
+    samples = scraped(metrics)
+    name = "nanovllm_inter_token_latency_seconds"
+    assert value(samples, f"{name}_bucket", le="0.0002") == 1
+    assert value(samples, f"{name}_bucket", le="0.001") == 2  # 0.001 itself is <= 0.001
+    assert value(samples, f"{name}_bucket", le="0.0015") == 3
+    assert value(samples, f"{name}_bucket", le=str(ITL_BUCKETS[-1])) == 3
+    assert value(samples, f"{name}_bucket", le="+Inf") == value(samples, f"{name}_count") == 4
+    assert abs(value(samples, f"{name}_sum") - 100.00215) < 1e-9
+
+
+def test_engine_counters_survive_a_new_core() -> None:
+    metrics = ServiceMetrics()
+    first = FakeCore(40, 16, 1)
+    metrics.observe_step(first, None)
+    first.block_manager.num_prefix_query_tokens, first.scheduler.num_preemptions = 100, 3
+    metrics.observe_step(first, 0.004)
+    metrics.observe_step(FakeCore(10, 0, 0), 0.002)  # the worker reconnected: counts restart from 0
+    samples = scraped(metrics)
+    assert (value(samples, "nanovllm_prefix_cache_queries_total"), value(samples, "nanovllm_prefix_cache_hits_total"),
+            value(samples, "nanovllm_num_preemptions_total")) == (110, 16, 3)
+    assert value(samples, "nanovllm_step_duration_seconds_count") == 2
