@@ -10,6 +10,7 @@ import torch
 from common.config import WorkerConfig
 from worker_service.attention import default_backend_name, get_attention_backend
 from worker_service.attention.base import AttentionMetadata
+from worker_service.attention.kv_quant import kv_cache_torch_dtype
 from worker_service.batch import ModelInput
 from worker_service.cuda_graphs import DecodeGraphs
 from worker_service.decode_plan import DecodePlan, stack_outputs
@@ -66,7 +67,8 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
         self.sampler = Sampler(seed=config.seed)
         self.kv_spec = KVCacheSpec(self.model_config.num_layers, config.block_size,
-                                   self.model_config.num_kv_heads, self.model_config.head_dim, self.dtype)
+                                   self.model_config.num_kv_heads, self.model_config.head_dim,
+                                   kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype))
         self.num_kv_blocks = 0
         self.kv_cache: torch.Tensor | None = None
         self._available_blocks: int | None = None

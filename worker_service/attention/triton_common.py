@@ -1,12 +1,17 @@
-"""Small helpers shared by the Triton attention kernels' launchers (host side only)."""
+"""Small helpers shared by the Triton attention kernels: their launchers' checks, and the FP8 store."""
 from __future__ import annotations
 
 import functools
 import math
 
 import torch
+import triton
+import triton.language as tl
+
+from worker_service.attention.kv_quant import FP8_DTYPE, FP8_MAX
 
 LOG2E = math.log2(math.e)  # folded into the softmax scale so that the kernels can use exp2
+FP8_MAX_VALUE = tl.constexpr(FP8_MAX)
 H200_NUM_SMS = 132  # fallback when the device cannot be asked (CPU, Triton's interpreter)
 
 
@@ -42,6 +47,22 @@ def num_sms(device: torch.device) -> int:
         return H200_NUM_SMS
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _device_num_sms(index)
+
+
+def compute_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
+    """The dtype the attention kernels multiply in: the cache's, except that an fp8 cache is widened
+    to q's dtype after loading (q is never narrowed to fp8: decode is bound by reading K/V, not by
+    the dot products, and an fp8 q would add its own rounding)."""
+    return q.dtype if k_cache.dtype == FP8_DTYPE else k_cache.dtype
+
+
+@triton.jit
+def quantize_for_cache(x, inv_scale, IS_FP8: tl.constexpr, cache_dtype: tl.constexpr):
+    """x converted for storing in a cache of cache_dtype: times 1/scale and saturated to e4m3's
+    range when IS_FP8 (kv_quant.quantize, in the kernels)."""
+    if IS_FP8:
+        x = tl.clamp(x.to(tl.float32) * inv_scale, -FP8_MAX_VALUE, FP8_MAX_VALUE)
+    return x.to(cache_dtype)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

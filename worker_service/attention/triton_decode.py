@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from worker_service.attention.triton_common import LOG2E, attention_group, dot_precision, num_sms
+from worker_service.attention.kv_quant import is_fp8
+from worker_service.attention.triton_common import LOG2E, attention_group, compute_dtype, dot_precision, num_sms
 from worker_service.attention.triton_paging import load_page_ids, token_offsets
 
 DECODE_BLOCK_N = 64  # context tokens per tile: 16 KiB of K (and of V) per tile at head_dim 128 in bf16
@@ -36,7 +37,7 @@ MAX_NUM_SPLITS = 64
 @triton.jit(do_not_specialize=["num_splits", "stride_bt_seq"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
-    scale_log2, num_splits,
+    scale_log2, v_scale, num_splits,
     stride_q_tok, stride_q_head,
     stride_k_block, stride_k_tok, stride_k_head,
     stride_v_block, stride_v_tok, stride_v_head,
@@ -45,7 +46,7 @@ def _decode_kernel(
     stride_po_seq, stride_po_head, stride_po_split,
     stride_pl_seq, stride_pl_head,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, IS_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -63,7 +64,10 @@ def _decode_kernel(
     heads = kv_head * GROUP + rows
     row_mask = rows < GROUP
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :],
-                mask=row_mask[:, None], other=0.0).to(k_cache_ptr.dtype.element_ty)
+                mask=row_mask[:, None], other=0.0)
+    # The dtype of both dots: the cache's, or q's for an fp8 cache (whose tiles are widened on load).
+    if not IS_FP8:
+        q = q.to(k_cache_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -77,8 +81,8 @@ def _decode_kernel(
         k_rows = k_head + token_offsets(page_ids, tile_start, stride_k_block, stride_k_tok, BLOCK_SIZE, BLOCK_N)
         v_rows = v_head + token_offsets(page_ids, tile_start, stride_v_block, stride_v_tok, BLOCK_SIZE, BLOCK_N)
         page_ids = load_page_ids(table, tile_start + BLOCK_N, end, BLOCK_SIZE, BLOCK_N)  # next tile's, early
-        k = tl.load(k_rows[:, None] + dims[None, :], mask=col_mask[:, None], other=0.0)
-        v = tl.load(v_rows[:, None] + dims[None, :], mask=col_mask[:, None], other=0.0)
+        k = tl.load(k_rows[:, None] + dims[None, :], mask=col_mask[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_rows[:, None] + dims[None, :], mask=col_mask[:, None], other=0.0).to(q.dtype)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         scores = tl.where(col_mask[None, :], scores, float("-inf"))
@@ -92,6 +96,8 @@ def _decode_kernel(
 
     is_nonempty = l_i > 0.0
     out_tile = acc / tl.where(is_nonempty, l_i, 1.0)[:, None]  # an empty range gives 0, not NaN
+    if IS_FP8:
+        out_tile = out_tile * v_scale  # the merge of splits is linear in their outputs: scaling here is exact
     if IS_SPLIT:
         lse = tl.where(is_nonempty, m_i + tl.log2(l_i), float("-inf"))
         po = partial_out_ptr + seq.to(tl.int64) * stride_po_seq + split * stride_po_split
@@ -151,7 +157,8 @@ def decode_workspace_numel(num_seqs: int, num_heads: int, head_dim: int, num_spl
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, num_splits: int, workspace: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None, *, block_n: int = DECODE_BLOCK_N, num_warps: int = DECODE_NUM_WARPS,
+                 out: torch.Tensor | None = None, *, k_scale: float = 1.0, v_scale: float = 1.0,
+                 block_n: int = DECODE_BLOCK_N, num_warps: int = DECODE_NUM_WARPS,
                  num_stages: int = DECODE_NUM_STAGES) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
@@ -159,12 +166,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32 (context incl. the token).
     workspace: float32, at least decode_workspace_numel(...) elements, needed when num_splits > 1
     (allocated here when None; preallocate it for CUDA graph capture). out: [num_seqs, num_heads,
-    head_dim], allocated when None. block_n, num_warps, num_stages: tuning knobs (see the bench).
+    head_dim], allocated when None. An fp8 cache holds K / k_scale and V / v_scale (kv_quant); the
+    scales are unused for other caches. block_n, num_warps, num_stages: tuning knobs (see the bench).
     Launches only, no host sync.
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = attention_group(q, k_cache, v_cache)
+    fp8 = is_fp8(k_cache.dtype)
     out = torch.empty_like(q) if out is None else out
     if num_seqs == 0:
         return out
@@ -185,7 +194,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         partial_out = partial_lse = out  # unused by the kernel's IS_SPLIT=False branch
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse,
-        scale * LOG2E, num_splits,
+        scale * LOG2E * (k_scale if fp8 else 1.0), v_scale, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -195,7 +204,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         partial_lse.stride(0), partial_lse.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, IS_SPLIT=is_split,
-        DOT_PRECISION=dot_precision(k_cache.dtype), num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=dot_precision(compute_dtype(q, k_cache)), IS_FP8=fp8, num_warps=num_warps,
+        num_stages=num_stages,
     )
     if is_split:
         _merge_splits_kernel[(num_seqs, num_heads)](

@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from worker_service.attention.triton_common import LOG2E, attention_group, dot_precision
+from worker_service.attention.kv_quant import is_fp8
+from worker_service.attention.triton_common import LOG2E, attention_group, compute_dtype, dot_precision
 from worker_service.attention.triton_paging import load_page_ids, token_offsets
 
 PREFILL_BLOCK_N = 64  # context tokens per K/V tile
@@ -47,6 +48,9 @@ def _attend_tiles(acc, l_i, m_i, q, q_positions, k_head, v_head, table, lo, hi, 
         else:
             k = tl.load(k_rows[:, None] + dims[None, :])
             v = tl.load(v_rows[:, None] + dims[None, :])
+        # q is already in the dots' dtype; an fp8 cache's tiles are widened to it (a no-op otherwise).
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         if IS_DIAGONAL:
             scores = tl.where(positions[None, :] <= q_positions[:, None], scores, float("-inf"))
@@ -65,14 +69,14 @@ def _attend_tiles(acc, l_i, m_i, q, q_positions, k_head, v_head, table, lo, hi, 
 @triton.jit(do_not_specialize=["stride_bt_seq"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
-    scale_log2,
+    scale_log2, v_scale,
     stride_q_tok, stride_q_head,
     stride_k_block, stride_k_tok, stride_k_head,
     stride_v_block, stride_v_tok, stride_v_head,
     stride_bt_seq,
     stride_o_tok, stride_o_head,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, IS_FP8: tl.constexpr,
 ):
     # Last query tiles first: they see the longest context, so the long programs start early.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -93,7 +97,8 @@ def _prefill_kernel(
     heads = kv_head * GROUP + rows % GROUP
     token_index = (query_start + tokens).to(tl.int64)
     q = tl.load(q_ptr + token_index[:, None] * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :])
-    q = q.to(k_cache_ptr.dtype.element_ty)
+    if not IS_FP8:  # an fp8 cache is widened to q's dtype instead
+        q = q.to(k_cache_ptr.dtype.element_ty)
     q_positions = context_len + tokens
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -113,13 +118,16 @@ def _prefill_kernel(
                                   last_position + 1, scale_log2, stride_k_block, stride_k_tok, stride_v_block,
                                   stride_v_tok, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION)
     out_tile = acc / l_i[:, None]
+    if IS_FP8:
+        out_tile = out_tile * v_scale
     o = out_ptr + token_index[:, None] * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :]
     tl.store(o, out_tile.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
-                  out: torch.Tensor | None = None, *, max_block_m: int = PREFILL_MAX_BLOCK_M,
+                  out: torch.Tensor | None = None, *, k_scale: float = 1.0, v_scale: float = 1.0,
+                  max_block_m: int = PREFILL_MAX_BLOCK_M,
                   block_n: int = PREFILL_BLOCK_N, num_warps: int | None = None,
                   num_stages: int = PREFILL_NUM_STAGES) -> torch.Tensor:
     """Causal attention of packed query tokens over their sequences' paged contexts.
@@ -127,18 +135,20 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     q: [num_tokens, num_heads, head_dim], tokens of sequence s at query_start_loc[s]..[s+1]-1, the
     last positions of its seq_lens[s]-long context; k_cache, v_cache: [num_blocks, block_size,
     num_kv_heads, head_dim]; block_tables: [num_seqs, max_blocks] int32. max_query_len (a host int)
-    sizes the grid. Sequences with query_len 0 are skipped. out is allocated when None.
+    sizes the grid. Sequences with query_len 0 are skipped. out is allocated when None. An fp8
+    cache holds K / k_scale and V / v_scale (kv_quant); the scales are unused for other caches.
     max_block_m, block_n, num_warps (None: by tile size), num_stages: tuning knobs (see the bench).
     Launches only, no host sync.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = attention_group(q, k_cache, v_cache)
+    fp8 = is_fp8(k_cache.dtype)
     out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0 or max_query_len <= 0:
         return out
-    if k_cache.element_size() > 2:
+    if compute_dtype(q, k_cache).itemsize > 2:
         # float32 (tests, references): 128-row tiles three stages deep would need ~225 KiB of shared memory.
         max_block_m, num_stages = min(max_block_m, 64), min(num_stages, 2)
     block_m = min(max_block_m, max(16, triton.next_power_of_2(max_query_len * group)))
@@ -147,14 +157,14 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     grid = (triton.cdiv(max_query_len, block_q), num_kv_heads, num_seqs)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        scale * LOG2E,
+        scale * LOG2E * (k_scale if fp8 else 1.0), v_scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_N=block_n, DOT_PRECISION=dot_precision(k_cache.dtype),
+        BLOCK_N=block_n, DOT_PRECISION=dot_precision(compute_dtype(q, k_cache)), IS_FP8=fp8,
         num_warps=num_warps or (8 if block_m >= 128 and head_dim >= 128 else 4), num_stages=num_stages,
     )
     return out
