@@ -104,18 +104,13 @@ def layer_amax(runner: ModelRunner, num_blocks: int) -> tuple[list[float], list[
 
 
 def compare(model: str, windows: list[list[int]], device: str = "cpu", dtype: str = "auto", chunk_len: int = 256,
-            num_decode_positions: int = 0, k_scales: list[float] | None = None,
-            v_scales: list[float] | None = None) -> QualityReport:
+            num_decode_positions: int = 0) -> QualityReport:
     """Teacher-forced fp8 vs auto over windows of tokens (each predicts its tokens 1..end)."""
     num_blocks = -(-max(len(w) for w in windows) // BLOCK_SIZE)
     agree = positions = 0
     nll = {"auto": 0.0, "fp8": 0.0}
     amax_k = amax_v = None
     runners = {name: make_runner(model, device, dtype, name, num_blocks, max(chunk_len, 64)) for name in nll}
-    if k_scales is not None or v_scales is not None:
-        for i, attention in enumerate(runners["fp8"].model.attention_layers()):
-            attention.k_scale = k_scales[i] if k_scales else 1.0
-            attention.v_scale = v_scales[i] if v_scales else 1.0
     for tokens in windows:
         target = torch.tensor(tokens[1:])
         logits = {}
@@ -152,8 +147,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window-len", type=int, default=1024)
     parser.add_argument("--chunk-len", type=int, default=256)
     parser.add_argument("--num-decode-positions", type=int, default=0, help="per window, run as decode steps")
-    parser.add_argument("--calibrated", action="store_true",
-                        help="also: per-layer scales amax/448 from the unquantized run (vs the fixed 1.0)")
     args = parser.parse_args(argv)
     if args.model is None:
         from common.default_model import default_model_path
@@ -166,12 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.num_windows} windows of {args.window_len} tokens, prefill chunks of {args.chunk_len}, "
           f"{args.num_decode_positions} decode positions per window, device {args.device}, dtype {args.dtype}")
     report = compare(args.model, windows, args.device, args.dtype, args.chunk_len, args.num_decode_positions)
-    print("fp8, scale 1.0:\n  " + "\n  ".join(report.lines()))
-    if args.calibrated:
-        calibrated = compare(args.model, windows, args.device, args.dtype, args.chunk_len, args.num_decode_positions,
-                             [x / FP8_MAX for x in report.max_abs_k], [x / FP8_MAX for x in report.max_abs_v])
-        print("fp8, per-layer scales amax/448 (calibrated on the same text):\n  "
-              + "\n  ".join(calibrated.lines()[1:3]))
+    print("\n".join(report.lines()))
 
 
 if __name__ == "__main__":

@@ -52,12 +52,14 @@ def variants() -> list[Variant]:
     cache = dict(BLOCK_SIZE=256, HEAD_DIM=128)
     tables = {"block_tables_ptr": "i32", "seq_lens_ptr": "i32"}
     # The KV cache in the model dtype, and in fp8 (kv_cache_dtype="fp8": e4m3, read as bf16).
-    kv_types = {False: {}, True: {"k_cache_ptr": "fp8e4nv", "v_cache_ptr": "fp8e4nv"}}
+    kv_types = {False: {}, True: {"k_cache_ptr": "fp8e4nv", "v_cache_ptr": "fp8e4nv", "k_scale_ptr": "fp32",
+                                  "v_scale_ptr": "fp32"}}
     result = [
         Variant(f"decode split={is_split} fp8={fp8}", _decode_kernel,
-                dict(cache, GROUP=2, BLOCK_H=16, BLOCK_N=64, IS_SPLIT=is_split, DOT_PRECISION="tf32", IS_FP8=fp8),
+                dict(cache, GROUP=2, BLOCK_H=16, BLOCK_N=64, IS_SPLIT=is_split, DOT_PRECISION="tf32", IS_FP8=fp8,
+                     SCALE_PROBS=True),
                 dict(tables, partial_out_ptr="fp32", partial_lse_ptr="fp32", **kv_types[fp8]),
-                ("scale_log2", "v_scale"), options=dict(num_warps=4, num_stages=3))
+                ("scale_log2",), options=dict(num_warps=4, num_stages=3))
         for fp8 in (False, True) for is_split in (False, True)
     ]
     result.append(Variant("merge splits", _merge_splits_kernel, dict(HEAD_DIM=128, BLOCK_SPLITS=4),
@@ -66,10 +68,10 @@ def variants() -> list[Variant]:
         result += [
             Variant(f"prefill fp8={fp8}", _prefill_kernel,
                     dict(cache, GROUP=2, BLOCK_M=128, BLOCK_Q=64, BLOCK_N=64, DOT_PRECISION="tf32", IS_FP8=fp8),
-                    dict(tables, query_start_loc_ptr="i32", **kv_types[fp8]), ("scale_log2", "v_scale"),
+                    dict(tables, query_start_loc_ptr="i32", **kv_types[fp8]), ("scale_log2",),
                     options=dict(num_warps=8, num_stages=3)),
             Variant(f"store kv fp8={fp8}", _store_kv_kernel, dict(cache, NUM_KV_HEADS=8, BLOCK_HEADS=8, IS_FP8=fp8),
-                    {"slot_mapping_ptr": "i64", **kv_types[fp8]}, ("k_inv_scale", "v_inv_scale")),
+                    {"slot_mapping_ptr": "i64", **kv_types[fp8]}),
         ]
     result += [
         Variant("silu and mul", _silu_and_mul_kernel, dict(BLOCK=1024)),
@@ -86,7 +88,7 @@ def variants() -> list[Variant]:
             dict(cache, NUM_HEADS=16, NUM_KV_HEADS=8, BLOCK_HEADS=16, BLOCK_KV_HEADS=8, HAS_Q_NORM=has_norm,
                  HAS_K_NORM=has_norm, IS_FP8=fp8),
             dict(positions_ptr="i64", cos_ptr="fp32", sin_ptr="fp32", slot_mapping_ptr="i64", **kv_types[fp8]),
-            ("eps", "k_inv_scale", "v_inv_scale"), options=dict(num_warps=4, enable_fp_fusion=False)))
+            ("eps",), options=dict(num_warps=4, enable_fp_fusion=False)))
     return result
 
 

@@ -6,7 +6,7 @@ import torch
 
 from worker_service.attention import register_backend
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
-from worker_service.attention.kv_quant import is_fp8, quantize
+from worker_service.attention.kv_quant import dequantize, head_scales, is_fp8, quantize
 
 
 @register_backend("torch")
@@ -15,7 +15,8 @@ class TorchAttentionBackend(AttentionBackend):
     of a sequence are always the last query_len positions of its seq_len-long context."""
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 metadata: AttentionMetadata, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                 metadata: AttentionMetadata, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
         slots = metadata.slot_mapping
         if k.shape[0] != slots.shape[0]:
             raise ValueError(f"{k.shape[0]} new tokens but {slots.shape[0]} slots")
@@ -24,40 +25,49 @@ class TorchAttentionBackend(AttentionBackend):
         if not bool(keep.all()):
             slots, k, v = slots[keep], k[keep], v[keep]
         num_kv_heads, head_dim = k_cache.shape[-2:]
-        for cache, new, scale in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
-            stored = _as_bits(quantize(new, scale, cache.dtype))
-            _as_bits(cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slots, stored)
+        if not is_fp8(k_cache.dtype):
+            k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+            v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+            return
+        for cache, scale_cache, new in ((k_cache, k_scale, k), (v_cache, v_scale, v)):
+            scales = head_scales(new)
+            # CPU torch cannot index_copy_ float8 tensors; copying the bits as uint8 is the same.
+            stored = quantize(new, scales).view(torch.uint8)
+            cache.view(torch.uint8).view(-1, num_kv_heads, head_dim).index_copy_(0, slots, stored)
+            scale_cache.view(-1, num_kv_heads).index_copy_(0, slots, scales)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
-               scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-        """An fp8 cache is read as float32 and its scales applied as the Triton kernels do: the K
-        scale folded into the softmax scale, the V scale into the output."""
-        if not is_fp8(k_cache.dtype):
-            k_scale = v_scale = 1.0
-        scale *= k_scale
+               scale: float, k_scale: torch.Tensor | None = None,
+               v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """An fp8 cache is read back as float32 (values times their scales), then as any other."""
+        if is_fp8(k_cache.dtype):
+            k_cache, v_cache = _Dequantized(k_cache, k_scale), _Dequantized(v_cache, v_scale)
         query_lens, seq_lens = _host_lengths(metadata)
         if metadata.max_query_len == 1 and q.shape[0] == len(seq_lens):
-            return _batched_decode(q, k_cache, v_cache, metadata, seq_lens, scale, v_scale)
+            return _batched_decode(q, k_cache, v_cache, metadata, seq_lens, scale)
         out = torch.empty_like(q)
         start = 0
         for seq_index, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
             if query_len == 0:
                 continue
             k, v = _gather_context(k_cache, v_cache, metadata.block_tables[seq_index], seq_len, metadata.block_size)
-            out[start:start + query_len] = _causal_attention(q[start:start + query_len], k, v, scale, v_scale)
+            out[start:start + query_len] = _causal_attention(q[start:start + query_len], k, v, scale)
             start += query_len
         return out
 
 
-def _as_bits(x: torch.Tensor) -> torch.Tensor:
-    """An fp8 tensor viewed as uint8: CPU torch cannot index or index_copy_ float8 tensors, and a
-    copy of the bits is all these operations do."""
-    return x.view(torch.uint8) if is_fp8(x.dtype) else x
+class _Dequantized:
+    """An fp8 cache and its scales, indexed by blocks as the cache itself would be: cache[blocks]
+    gives float32 values (the gathered blocks only, not the whole cache, are dequantized)."""
 
+    def __init__(self, cache: torch.Tensor, scales: torch.Tensor) -> None:
+        self.cache, self.scales = cache, scales
+        self.shape = cache.shape
 
-def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """cache[blocks], also for an fp8 cache."""
-    return _as_bits(cache)[blocks].view(cache.dtype)
+    def __getitem__(self, blocks: torch.Tensor) -> torch.Tensor:
+        # CPU torch cannot index float8 tensors: gather the bits as uint8.
+        values = self.cache.view(torch.uint8)[blocks].view(self.cache.dtype)
+        return dequantize(values, self.scales[blocks])
 
 
 def _host_lengths(metadata: AttentionMetadata) -> tuple[list[int], list[int]]:
@@ -75,13 +85,13 @@ def _gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: t
     num_blocks = -(-seq_len // block_size)
     blocks = block_table[:num_blocks].long()
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    k = _gather_blocks(k_cache, blocks).reshape(-1, num_kv_heads, head_dim)[:seq_len]
-    v = _gather_blocks(v_cache, blocks).reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
     return k, v
 
 
 def _batched_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
-                    seq_lens: list[int], scale: float, v_scale: float = 1.0) -> torch.Tensor:
+                    seq_lens: list[int], scale: float) -> torch.Tensor:
     """One query token per sequence, all sequences at once over their contexts padded to the
     longest: a few large operations instead of a few small ones per sequence."""
     num_seqs, num_heads, head_dim = q.shape
@@ -89,8 +99,8 @@ def _batched_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     max_len = max(seq_lens)
     num_blocks = -(-max_len // metadata.block_size)
     blocks = metadata.block_tables[:, :num_blocks].long()
-    k = _gather_blocks(k_cache, blocks).reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].float()
-    v = _gather_blocks(v_cache, blocks).reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].float()
+    k = k_cache[blocks].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].float()
+    v = v_cache[blocks].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].float()
     is_padding = torch.arange(max_len, device=q.device)[None, :] >= torch.tensor(seq_lens, device=q.device)[:, None]
     if v.is_cuda:
         # A GPU cache starts uninitialised: padding slots may hold NaN, and 0 * NaN is NaN. (The
@@ -102,13 +112,10 @@ def _batched_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     scores.masked_fill_(is_padding[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bkgl,blkd->bkgd", probs, v)
-    if v_scale != 1.0:
-        out = out * v_scale
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                      v_scale: float = 1.0) -> torch.Tensor:
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [query_len, num_heads, d] are the last query_len positions of the context k, v [seq_len, num_kv_heads, d].
 
     Computed as HF's eager attention does (scores, then softmax, then weighted sum), in float32.
@@ -124,7 +131,4 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     is_future = torch.arange(seq_len, device=q.device)[None, :] > query_positions[:, None]
     scores.masked_fill_(is_future, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v)
-    if v_scale != 1.0:
-        out = out * v_scale
-    return out.transpose(0, 1).to(q.dtype)  # [query_len, heads, d]
+    return torch.matmul(probs, v).transpose(0, 1).to(q.dtype)  # [query_len, heads, d]

@@ -29,13 +29,14 @@ class TritonAttentionBackend(AttentionBackend):
         self._workspaces: list[torch.Tensor] = []
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 metadata: AttentionMetadata, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                 metadata: AttentionMetadata, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
         store_kv(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
 
     def rope_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                        rotary: RotaryEmbedding, q_norm: RMSNorm | None, k_norm: RMSNorm | None,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
-                       k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                       k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """One fused kernel instead of the default's five (see triton_rope_store)."""
         norms = [norm for norm in (q_norm, k_norm) if norm is not None]
         if len({norm.eps for norm in norms}) > 1:
@@ -46,7 +47,8 @@ class TritonAttentionBackend(AttentionBackend):
                               eps=norms[0].eps if norms else 0.0, k_scale=k_scale, v_scale=v_scale)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
-               scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+               scale: float, k_scale: torch.Tensor | None = None,
+               v_scale: torch.Tensor | None = None) -> torch.Tensor:
         if not metadata.is_decode_only:
             return paged_prefill(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
                                  metadata.query_start_loc, metadata.max_query_len, scale, k_scale=k_scale,

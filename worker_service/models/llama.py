@@ -45,9 +45,9 @@ class Attention(nn.Module):
         # Plain attributes, not buffers: the cache is not part of the checkpoint or of state_dict.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
-        # Used only by an fp8 cache (see attention/kv_quant): cached K/V are stored divided by these.
-        self.k_scale = 1.0
-        self.v_scale = 1.0
+        # With an fp8 cache, each cached head vector's scale ([num_blocks, block_size, num_kv_heads]).
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.split_sizes, dim=-1)
