@@ -38,7 +38,7 @@ for s in ${@:-tests attention throughput}; do
            timeout 300 python3 bench/throughput.py --modes inprocess --kv-cache-dtype fp8 \
              --json-out "$OUT/inprocess-fp8-$run.json" 2>&1 | tee "$OUT/inprocess-fp8-$run.log" | tail -8
          done
-         timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/worker_service/test_gpu_fp8_kv.py \
+         timeout 300 python3 -m pytest -q -s -x -p no:cacheprovider tests/worker_service/test_gpu_fp8_kv.py \
            tests/worker_service/test_triton_fp8_kv.py 2>&1 | tee "$OUT/fp8-tests.log" | tail -15 ;;
     hf) timeout 540 python3 bench/throughput.py --modes inprocess,hf --json-out "$OUT/hf.json" \
              2>&1 | tee "$OUT/hf.log" | tail -25 ;;
