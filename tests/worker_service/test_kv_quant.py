@@ -78,3 +78,15 @@ def test_torch_backend_over_fp8_is_attention_over_the_dequantized_cache() -> Non
         got = backend.attend(qq, k8, v8, md, head_dim**-0.5, k_scale, v_scale)
         want = backend.attend(qq, k32, v32, md, head_dim**-0.5)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_cli_flag_reaches_the_worker_config_and_serve_forwards_it() -> None:
+    from common.cli import build_parser, worker_config_from
+    from scheduler_service.serve import worker_command
+
+    args = build_parser().parse_args(["serve", "--model", "m.gguf", "--kv-cache-dtype", "fp8"])
+    assert worker_config_from(args).kv_cache_dtype == "fp8"
+    command = worker_command(args, 1234)
+    assert command[command.index("--kv-cache-dtype") + 1] == "fp8"
+    worker = build_parser().parse_args(["worker", "--model", "m.gguf"])
+    assert worker_config_from(worker).kv_cache_dtype == "auto"
