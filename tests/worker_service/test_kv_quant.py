@@ -90,3 +90,25 @@ def test_cli_flag_reaches_the_worker_config_and_serve_forwards_it() -> None:
     assert command[command.index("--kv-cache-dtype") + 1] == "fp8"
     worker = build_parser().parse_args(["worker", "--model", "m.gguf"])
     assert worker_config_from(worker).kv_cache_dtype == "auto"
+
+
+def test_model_runner_serves_from_an_fp8_cache(tmp_path) -> None:
+    """End to end on the CPU: the runner allocates the fp8 cache and its scales, hands each layer
+    its views, and teacher-forced predictions (prefill chunks, then decode steps) track the
+    unquantized cache's (the measure of bench/fp8_kv_quality.py, at a tiny size)."""
+    import random
+
+    from bench.fp8_kv_quality import compare, make_runner
+    from tests.tiny_models import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path, "qwen3", num_heads=4, num_kv_heads=2, head_dim=32, hidden_size=128,
+                                tie=True, seed=7)
+    runner = make_runner(str(path), "cpu", "float32", "fp8", 4, 64)
+    assert runner.kv_cache.dtype == FP8_DTYPE and runner.kv_scales.shape == (2, 2, 4, 16, 2)
+    layer = runner.model.attention_layers()[1]
+    assert layer.k_scale.data_ptr() == runner.kv_scales[1, 0].data_ptr()
+    rng = random.Random(0)
+    windows = [[rng.randrange(512) for _ in range(60)] for _ in range(2)]
+    report = compare(str(path), windows, device="cpu", dtype="float32", chunk_len=16, num_decode_positions=8)
+    assert report.num_positions == 118
+    assert report.top1_agreement >= 0.95, report.lines()
