@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import math
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,9 @@ class QualityReport:
     perplexity_fp8: float
     max_abs_k: list[float]  # per layer, from the unquantized cache
     max_abs_v: list[float]
+    # The unquantized run's logit margin (top-1 minus top-2) where the two runs disagree: near-ties
+    # that any perturbation can flip, or real changes.
+    disagreement_margins: list[float]
 
     def lines(self) -> list[str]:
         change = self.perplexity_fp8 / self.perplexity_auto - 1
@@ -51,7 +55,11 @@ class QualityReport:
                 f"top-1 agreement fp8 vs auto: {self.top1_agreement:.4f}",
                 f"perplexity auto {self.perplexity_auto:.4f}, fp8 {self.perplexity_fp8:.4f} ({change:+.3%})",
                 f"max |K| per layer: {' '.join(f'{x:.3g}' for x in self.max_abs_k)} (e4m3 max {FP8_MAX:g})",
-                f"max |V| per layer: {' '.join(f'{x:.3g}' for x in self.max_abs_v)}"]
+                f"max |V| per layer: {' '.join(f'{x:.3g}' for x in self.max_abs_v)}",
+                f"disagreements: {len(self.disagreement_margins)}, unquantized top-1 minus top-2 logit margin there: "
+                f"median {statistics.median(self.disagreement_margins or [0.0]):.3f}, "
+                f"{sum(m < 0.1 for m in self.disagreement_margins)} below 0.1, "
+                f"{sum(m < 0.5 for m in self.disagreement_margins)} below 0.5"]
 
 
 def real_text() -> str:
@@ -108,6 +116,7 @@ def compare(model: str, windows: list[list[int]], device: str = "cpu", dtype: st
     """Teacher-forced fp8 vs auto over windows of tokens (each predicts its tokens 1..end)."""
     num_blocks = -(-max(len(w) for w in windows) // BLOCK_SIZE)
     agree = positions = 0
+    margins: list[float] = []
     nll = {"auto": 0.0, "fp8": 0.0}
     amax_k = amax_v = None
     runners = {name: make_runner(model, device, dtype, name, num_blocks, max(chunk_len, 64)) for name in nll}
@@ -120,10 +129,13 @@ def compare(model: str, windows: list[list[int]], device: str = "cpu", dtype: st
         k, v = layer_amax(runners["auto"], -(-len(tokens) // BLOCK_SIZE))
         amax_k = k if amax_k is None else [max(a, b) for a, b in zip(amax_k, k, strict=True)]
         amax_v = v if amax_v is None else [max(a, b) for a, b in zip(amax_v, v, strict=True)]
-        agree += (logits["auto"].argmax(-1) == logits["fp8"].argmax(-1)).sum().item()
+        same = logits["auto"].argmax(-1) == logits["fp8"].argmax(-1)
+        agree += same.sum().item()
+        top2 = logits["auto"][~same].topk(2, dim=-1).values
+        margins += (top2[:, 0] - top2[:, 1]).tolist()
         positions += len(tokens) - 1
     return QualityReport(positions, agree / positions, math.exp(nll["auto"] / positions),
-                         math.exp(nll["fp8"] / positions), amax_k, amax_v)
+                         math.exp(nll["fp8"] / positions), amax_k, amax_v, margins)
 
 
 def text_windows(model: str, num_windows: int, window_len: int) -> list[list[int]]:
