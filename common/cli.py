@@ -24,7 +24,7 @@ def add_worker_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-kv-blocks", type=int, default=0, help="override the KV block count")
     group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
-                       help="auto: the model dtype; fp8: e4m3 with per-layer scales, twice the tokens")
+                       help="auto: the model dtype; fp8: e4m3 with per-token scales, ~twice the tokens")
 
 
 def add_scheduler_options(parser: argparse.ArgumentParser) -> None:

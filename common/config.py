@@ -49,8 +49,8 @@ class WorkerConfig:
     num_kv_blocks: int = 0
     enforce_eager: bool = False
     attention_backend: str = "auto"
-    # auto: the model dtype; fp8: float8_e4m3fn with one scale per layer for K and one for V
-    # (worker_service/attention/kv_quant.py), half the bytes per token of bf16.
+    # auto: the model dtype; fp8: float8_e4m3fn with one scale per token and KV head
+    # (worker_service/attention/kv_quant.py), about half the bytes per token of bf16.
     kv_cache_dtype: str = "auto"
     seed: int = 0
     # The largest step the worker must serve: sizes its activation memory and its CUDA graphs.
