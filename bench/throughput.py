@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="fp8: e4m3 KV cache (half the K/V bytes of bf16)")
     parser.add_argument("--num-decode-steps", type=int, default=4, help="decode iterations per step")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--run-mode", help=argparse.SUPPRESS)  # internal: one mode in this process
@@ -74,7 +76,8 @@ def timed_slices(args: argparse.Namespace) -> dict[str, tuple[list[list[int]], l
 def engine_options(args: argparse.Namespace) -> dict:
     return dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                enforce_eager=args.enforce_eager, device=args.device, num_decode_steps=args.num_decode_steps)
+                enforce_eager=args.enforce_eager, device=args.device, num_decode_steps=args.num_decode_steps,
+                kv_cache_dtype=args.kv_cache_dtype)
 
 
 # Modes, each run in its own process.
@@ -120,6 +123,7 @@ def run_grpc(args: argparse.Namespace, model: str) -> dict:
                     "--block-size", str(args.block_size), "--device", args.device,
                     "--max-num-seqs", str(args.max_num_seqs),
                     "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                    "--kv-cache-dtype", args.kv_cache_dtype,
                     *(["--enforce-eager"] if args.enforce_eager else [])]
     worker = cli("worker", *worker_flags)
     scheduler = cli("scheduler", "--worker", f"127.0.0.1:{worker_port}", "--port", str(port),
@@ -215,7 +219,7 @@ def bandwidth_floor_seconds(args: argparse.Namespace, bandwidth: float, weight_b
     sequence's K/V once (Qwen3-0.6B shapes)."""
     prompts, max_tokens = workload(args)
     kv_bytes = sum(len(p) * m + m * (m + 1) / 2 for p, m in zip(prompts, max_tokens, strict=True))
-    kv_bytes *= KV_BYTES_PER_TOKEN_QWEN3_0_6B
+    kv_bytes *= KV_BYTES_PER_TOKEN_QWEN3_0_6B / (2 if args.kv_cache_dtype == "fp8" else 1)
     return (kv_bytes + weight_bytes * max(max_tokens)) / bandwidth
 
 

@@ -99,6 +99,9 @@ class WorkerConfig:
     num_kv_blocks: int = 0
     enforce_eager: bool = False
     attention_backend: str = "auto"
+    # auto: the model dtype; fp8: float8_e4m3fn with one scale per token and KV head
+    # (worker_service/attention/kv_quant.py), about half the bytes per token of bf16.
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     # The largest step the worker must serve: sizes its activation memory and its CUDA graphs.
     # The scheduler never schedules more (it takes the smaller of its own limits and these).
@@ -109,6 +112,8 @@ class WorkerConfig:
         _require(bool(self.model), "model", "must name a checkpoint folder or GGUF file")
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
                  f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        _require(self.kv_cache_dtype in ("auto", "fp8"), "kv_cache_dtype",
+                 f"must be auto or fp8, got {self.kv_cache_dtype!r}")
         _require(self.block_size >= 16 and self.block_size & (self.block_size - 1) == 0, "block_size",
                  f"must be a power of two >= 16, got {self.block_size}")
         _require(self.max_model_len >= 1, "max_model_len", f"must be >= 1, got {self.max_model_len}")

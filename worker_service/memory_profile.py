@@ -47,7 +47,7 @@ def profile_peak_memory(runner: ModelRunner) -> int:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(runner.device)
     runner.init_cache(num_blocks, capture_graphs=False)
-    cache_bytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
+    cache_bytes = num_blocks * runner.kv_spec.bytes_per_block  # K/V (and fp8 scales)
     runner.run(build_model_input(chunks, config.block_size))
     torch.cuda.synchronize(runner.device)
     peak = torch.cuda.max_memory_allocated(runner.device) - cache_bytes

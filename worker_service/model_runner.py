@@ -10,6 +10,7 @@ import torch
 from common.config import WorkerConfig
 from worker_service.attention import default_backend_name, get_attention_backend
 from worker_service.attention.base import AttentionMetadata
+from worker_service.attention.kv_quant import SCALE_DTYPE, is_fp8, kv_cache_torch_dtype
 from worker_service.batch import ModelInput
 from worker_service.cuda_graphs import DecodeGraphs
 from worker_service.decode_plan import DecodePlan, stack_outputs
@@ -47,7 +48,9 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """K and V, plus with an fp8 cache one float32 scale per head vector (kv_quant)."""
+        vector_bytes = self.head_dim * self.dtype.itemsize + (SCALE_DTYPE.itemsize if is_fp8(self.dtype) else 0)
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * vector_bytes
 
 
 class ModelRunner:
@@ -66,9 +69,11 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
         self.sampler = Sampler(seed=config.seed)
         self.kv_spec = KVCacheSpec(self.model_config.num_layers, config.block_size,
-                                   self.model_config.num_kv_heads, self.model_config.head_dim, self.dtype)
+                                   self.model_config.num_kv_heads, self.model_config.head_dim,
+                                   kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype))
         self.num_kv_blocks = 0
         self.kv_cache: torch.Tensor | None = None
+        self.kv_scales: torch.Tensor | None = None
         self._available_blocks: int | None = None
         self.graphs: DecodeGraphs | None = None
 
@@ -109,6 +114,7 @@ class ModelRunner:
     def release_cache(self) -> None:
         self.graphs = None
         self.kv_cache = None
+        self.kv_scales = None
         self.num_kv_blocks = 0
 
     def init_cache(self, num_blocks: int, capture_graphs: bool = True) -> int:
@@ -118,9 +124,15 @@ class ModelRunner:
         allocate = torch.empty if self.device.type == "cuda" else torch.zeros
         self.kv_cache = allocate((spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
                                  dtype=spec.dtype, device=self.device)
+        if is_fp8(spec.dtype):
+            self.kv_scales = allocate((spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads),
+                                      dtype=SCALE_DTYPE, device=self.device)
         for layer_index, attention in enumerate(self.model.attention_layers()):
             attention.k_cache = self.kv_cache[layer_index, 0]
             attention.v_cache = self.kv_cache[layer_index, 1]
+            if self.kv_scales is not None:
+                attention.k_scale = self.kv_scales[layer_index, 0]
+                attention.v_scale = self.kv_scales[layer_index, 1]
         self.num_kv_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, spec.block_size,
                     num_blocks * spec.bytes_per_block / 2**20)

@@ -41,7 +41,7 @@ class Variant:
 
 def variants() -> list[Variant]:
     """The specialisations Qwen3-0.6B (16 q / 8 KV heads of 128, q/k norms) and a Llama-like model
-    (no q/k norm) launch with in bf16, block size 256."""
+    (no q/k norm) launch with in bf16, block size 256, with a bf16 and with an fp8 KV cache."""
     from worker_service.attention.triton_decode import _decode_kernel, _merge_splits_kernel
     from worker_service.attention.triton_prefill import _prefill_kernel
     from worker_service.attention.triton_rope_store import _rope_store_kernel
@@ -51,21 +51,29 @@ def variants() -> list[Variant]:
 
     cache = dict(BLOCK_SIZE=256, HEAD_DIM=128)
     tables = {"block_tables_ptr": "i32", "seq_lens_ptr": "i32"}
+    # The KV cache in the model dtype, and in fp8 (kv_cache_dtype="fp8": e4m3, read as bf16).
+    kv_types = {False: {}, True: {"k_cache_ptr": "fp8e4nv", "v_cache_ptr": "fp8e4nv", "k_scale_ptr": "fp32",
+                                  "v_scale_ptr": "fp32"}}
     result = [
-        Variant(f"decode split={is_split}", _decode_kernel,
-                dict(cache, GROUP=2, BLOCK_H=16, BLOCK_N=64, IS_SPLIT=is_split, DOT_PRECISION="tf32"),
-                dict(tables, partial_out_ptr="fp32", partial_lse_ptr="fp32"), ("scale_log2",),
-                options=dict(num_warps=4, num_stages=3))
-        for is_split in (False, True)
+        Variant(f"decode split={is_split} fp8={fp8}", _decode_kernel,
+                dict(cache, GROUP=2, BLOCK_H=16, BLOCK_N=64, IS_SPLIT=is_split, DOT_PRECISION="tf32", IS_FP8=fp8,
+                     SCALE_PROBS=True),
+                dict(tables, partial_out_ptr="fp32", partial_lse_ptr="fp32", **kv_types[fp8]),
+                ("scale_log2",), options=dict(num_warps=4, num_stages=3))
+        for fp8 in (False, True) for is_split in (False, True)
     ]
+    result.append(Variant("merge splits", _merge_splits_kernel, dict(HEAD_DIM=128, BLOCK_SPLITS=4),
+                          dict(partial_out_ptr="fp32", partial_lse_ptr="fp32")))
+    for fp8 in (False, True):
+        result += [
+            Variant(f"prefill fp8={fp8}", _prefill_kernel,
+                    dict(cache, GROUP=2, BLOCK_M=128, BLOCK_Q=64, BLOCK_N=64, DOT_PRECISION="tf32", IS_FP8=fp8),
+                    dict(tables, query_start_loc_ptr="i32", **kv_types[fp8]), ("scale_log2",),
+                    options=dict(num_warps=8, num_stages=3)),
+            Variant(f"store kv fp8={fp8}", _store_kv_kernel, dict(cache, NUM_KV_HEADS=8, BLOCK_HEADS=8, IS_FP8=fp8),
+                    {"slot_mapping_ptr": "i64", **kv_types[fp8]}),
+        ]
     result += [
-        Variant("merge splits", _merge_splits_kernel, dict(HEAD_DIM=128, BLOCK_SPLITS=4),
-                dict(partial_out_ptr="fp32", partial_lse_ptr="fp32")),
-        Variant("prefill", _prefill_kernel,
-                dict(cache, GROUP=2, BLOCK_M=128, BLOCK_Q=64, BLOCK_N=64, DOT_PRECISION="tf32"),
-                dict(tables, query_start_loc_ptr="i32"), ("scale_log2",), options=dict(num_warps=8, num_stages=3)),
-        Variant("store kv", _store_kv_kernel, dict(cache, NUM_KV_HEADS=8, BLOCK_HEADS=8),
-                {"slot_mapping_ptr": "i64"}),
         Variant("silu and mul", _silu_and_mul_kernel, dict(BLOCK=1024)),
         Variant("gumbel chunk", _gumbel_chunk_kernel, dict(BLOCK=4096, FAST_LOG=True),
                 dict(inv_temperatures_ptr="fp32", partial_value_ptr="fp32", partial_column_ptr="i64"),
@@ -74,13 +82,13 @@ def variants() -> list[Variant]:
                 dict(partial_value_ptr="fp32", partial_column_ptr="i64", token_ids_ptr="i64"),
                 options=dict(num_warps=1)),
     ]
-    for has_norm in (True, False):
+    for has_norm, fp8 in ((True, False), (False, False), (True, True)):
         result.append(Variant(
-            f"rope+store norms={has_norm}", _rope_store_kernel,
+            f"rope+store norms={has_norm} fp8={fp8}", _rope_store_kernel,
             dict(cache, NUM_HEADS=16, NUM_KV_HEADS=8, BLOCK_HEADS=16, BLOCK_KV_HEADS=8, HAS_Q_NORM=has_norm,
-                 HAS_K_NORM=has_norm),
-            dict(positions_ptr="i64", cos_ptr="fp32", sin_ptr="fp32", slot_mapping_ptr="i64"), ("eps",),
-            options=dict(num_warps=4, enable_fp_fusion=False)))
+                 HAS_K_NORM=has_norm, IS_FP8=fp8),
+            dict(positions_ptr="i64", cos_ptr="fp32", sin_ptr="fp32", slot_mapping_ptr="i64", **kv_types[fp8]),
+            ("eps",), options=dict(num_warps=4, enable_fp_fusion=False)))
     return result
 
 

@@ -52,18 +52,23 @@ class AttentionBackend(ABC):
     """Writes new K/V into the paged cache and computes causal attention over it.
 
     Cache layout per layer: k_cache and v_cache of shape [num_blocks, block_size, num_kv_heads, head_dim].
+    A cache in the model dtype holds K/V as they are. An fp8 cache (kv_quant.FP8_DTYPE) holds each
+    token's K and V head vectors divided by their own scale, kept in k_scale and v_scale: float32
+    [num_blocks, block_size, num_kv_heads], required with an fp8 cache and None otherwise (kv_quant).
     """
 
     name: str = ""
 
     @abstractmethod
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 metadata: AttentionMetadata) -> None:
+                 metadata: AttentionMetadata, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
         """k, v: [num_tokens, num_kv_heads, head_dim]; writes them at metadata.slot_mapping."""
 
     def rope_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                        rotary: RotaryEmbedding, q_norm: RMSNorm | None, k_norm: RMSNorm | None,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
+                       k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Everything between the qkv projection and `attend`: q and k through their per-head norms
         (Qwen3; None for models without) and rotary at positions [num_tokens], then k and v into the
         cache via store_kv. q [num_tokens, num_heads, head_dim] and k, v [num_tokens, num_kv_heads,
@@ -77,12 +82,13 @@ class AttentionBackend(ABC):
         if k_norm is not None:
             k = k_norm(k)
         q, k = rotary(positions, q, k)
-        self.store_kv(k, v, k_cache, v_cache, metadata)
+        self.store_kv(k, v, k_cache, v_cache, metadata, k_scale, v_scale)
         return q
 
     @abstractmethod
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, k_scale: torch.Tensor | None = None,
+               v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]. Token i of
         sequence s at position p attends to positions 0..p of s (causal), read from the cache."""
 

@@ -6,6 +6,7 @@ import torch
 
 from worker_service.attention import register_backend
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
+from worker_service.attention.kv_quant import dequantize, head_scales, is_fp8, quantize
 
 
 @register_backend("torch")
@@ -14,7 +15,8 @@ class TorchAttentionBackend(AttentionBackend):
     of a sequence are always the last query_len positions of its seq_len-long context."""
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 metadata: AttentionMetadata) -> None:
+                 metadata: AttentionMetadata, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
         slots = metadata.slot_mapping
         if k.shape[0] != slots.shape[0]:
             raise ValueError(f"{k.shape[0]} new tokens but {slots.shape[0]} slots")
@@ -23,11 +25,23 @@ class TorchAttentionBackend(AttentionBackend):
         if not bool(keep.all()):
             slots, k, v = slots[keep], k[keep], v[keep]
         num_kv_heads, head_dim = k_cache.shape[-2:]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+        if not is_fp8(k_cache.dtype):
+            k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+            v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+            return
+        for cache, scale_cache, new in ((k_cache, k_scale, k), (v_cache, v_scale, v)):
+            scales = head_scales(new)
+            # CPU torch cannot index_copy_ float8 tensors; copying the bits as uint8 is the same.
+            stored = quantize(new, scales).view(torch.uint8)
+            cache.view(torch.uint8).view(-1, num_kv_heads, head_dim).index_copy_(0, slots, stored)
+            scale_cache.view(-1, num_kv_heads).index_copy_(0, slots, scales)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, k_scale: torch.Tensor | None = None,
+               v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """An fp8 cache is read back as float32 (values times their scales), then as any other."""
+        if is_fp8(k_cache.dtype):
+            k_cache, v_cache = _Dequantized(k_cache, k_scale), _Dequantized(v_cache, v_scale)
         query_lens, seq_lens = _host_lengths(metadata)
         if metadata.max_query_len == 1 and q.shape[0] == len(seq_lens):
             return _batched_decode(q, k_cache, v_cache, metadata, seq_lens, scale)
@@ -40,6 +54,20 @@ class TorchAttentionBackend(AttentionBackend):
             out[start:start + query_len] = _causal_attention(q[start:start + query_len], k, v, scale)
             start += query_len
         return out
+
+
+class _Dequantized:
+    """An fp8 cache and its scales, indexed by blocks as the cache itself would be: cache[blocks]
+    gives float32 values (the gathered blocks only, not the whole cache, are dequantized)."""
+
+    def __init__(self, cache: torch.Tensor, scales: torch.Tensor) -> None:
+        self.cache, self.scales = cache, scales
+        self.shape = cache.shape
+
+    def __getitem__(self, blocks: torch.Tensor) -> torch.Tensor:
+        # CPU torch cannot index float8 tensors: gather the bits as uint8.
+        values = self.cache.view(torch.uint8)[blocks].view(self.cache.dtype)
+        return dequantize(values, self.scales[blocks])
 
 
 def _host_lengths(metadata: AttentionMetadata) -> tuple[list[int], list[int]]:

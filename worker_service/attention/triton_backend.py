@@ -29,12 +29,14 @@ class TritonAttentionBackend(AttentionBackend):
         self._workspaces: list[torch.Tensor] = []
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 metadata: AttentionMetadata) -> None:
-        store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+                 metadata: AttentionMetadata, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
+        store_kv(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
 
     def rope_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                        rotary: RotaryEmbedding, q_norm: RMSNorm | None, k_norm: RMSNorm | None,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
+                       k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """One fused kernel instead of the default's five (see triton_rope_store)."""
         norms = [norm for norm in (q_norm, k_norm) if norm is not None]
         if len({norm.eps for norm in norms}) > 1:
@@ -42,13 +44,15 @@ class TritonAttentionBackend(AttentionBackend):
         return rope_and_store(q, k, v, positions, rotary.cos, rotary.sin, k_cache, v_cache, metadata.slot_mapping,
                               q_norm_weight=q_norm.weight if q_norm is not None else None,
                               k_norm_weight=k_norm.weight if k_norm is not None else None,
-                              eps=norms[0].eps if norms else 0.0)
+                              eps=norms[0].eps if norms else 0.0, k_scale=k_scale, v_scale=v_scale)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, k_scale: torch.Tensor | None = None,
+               v_scale: torch.Tensor | None = None) -> torch.Tensor:
         if not metadata.is_decode_only:
             return paged_prefill(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
-                                 metadata.query_start_loc, metadata.max_query_len, scale)
+                                 metadata.query_start_loc, metadata.max_query_len, scale, k_scale=k_scale,
+                                 v_scale=v_scale)
         num_seqs, num_heads, head_dim = q.shape
         if num_seqs != metadata.num_seqs:
             raise ValueError(f"decode batch: {num_seqs} query tokens for {metadata.num_seqs} sequences")
@@ -59,7 +63,7 @@ class TritonAttentionBackend(AttentionBackend):
         if workspace is None:
             workspace = self._workspace(decode_workspace_numel(num_seqs, num_heads, head_dim, num_splits), q.device)
         return paged_decode(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale, num_splits,
-                            workspace)
+                            workspace, k_scale=k_scale, v_scale=v_scale)
 
     def prepare_decode_graph(self, metadata: AttentionMetadata, num_heads: int, num_kv_heads: int, head_dim: int,
                              max_seq_len: int) -> AttentionMetadata:

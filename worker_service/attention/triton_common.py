@@ -1,12 +1,17 @@
-"""Small helpers shared by the Triton attention kernels' launchers (host side only)."""
+"""Small helpers shared by the Triton attention kernels: their launchers' checks, and the FP8 store."""
 from __future__ import annotations
 
 import functools
 import math
 
 import torch
+import triton
+import triton.language as tl
+
+from worker_service.attention.kv_quant import FP8_DTYPE, FP8_MAX, SCALE_DTYPE
 
 LOG2E = math.log2(math.e)  # folded into the softmax scale so that the kernels can use exp2
+FP8_MAX_VALUE = tl.constexpr(FP8_MAX)
 H200_NUM_SMS = 132  # fallback when the device cannot be asked (CPU, Triton's interpreter)
 
 
@@ -42,6 +47,44 @@ def num_sms(device: torch.device) -> int:
         return H200_NUM_SMS
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _device_num_sms(index)
+
+
+def compute_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
+    """The dtype the attention kernels multiply in: the cache's, except that an fp8 cache is widened
+    to q's dtype after loading (q is never narrowed to fp8: decode is bound by reading K/V, not by
+    the dot products, and an fp8 q would add its own rounding)."""
+    return q.dtype if k_cache.dtype == FP8_DTYPE else k_cache.dtype
+
+
+@triton.jit
+def fp8_head_scales(amax):
+    """Scales of head vectors whose largest magnitudes are amax: kv_quant.head_scales (correctly
+    rounded division, as torch's)."""
+    return tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX_VALUE), 1.0)
+
+
+@triton.jit
+def fp8_quantize(x, scales, cache_dtype: tl.constexpr):
+    """Head vectors x [heads, dims] divided by their scales [heads] and saturated: kv_quant.quantize."""
+    scaled = tl.math.div_rn(x.to(tl.float32), scales[:, None])
+    return tl.clamp(scaled, -FP8_MAX_VALUE, FP8_MAX_VALUE).to(cache_dtype)
+
+
+def scale_operands(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                   v_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]:
+    """The scale tensors and their (block, token, head) strides to launch a kernel with: checked
+    for an fp8 cache (float32 [num_blocks, block_size, num_kv_heads], one layout for K and V), the
+    cache itself as an unread placeholder otherwise."""
+    if k_cache.dtype != FP8_DTYPE:
+        return k_cache, k_cache, (0, 0, 0)
+    expected = tuple(k_cache.shape[:3])
+    for name, scales in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scales is None or tuple(scales.shape) != expected or scales.dtype != SCALE_DTYPE:
+            raise ValueError(f"an fp8 cache needs {name} float32 {expected}, got "
+                             f"{None if scales is None else (scales.dtype, tuple(scales.shape))}")
+    if k_scale.stride() != v_scale.stride():
+        raise ValueError(f"k_scale and v_scale must share strides, got {k_scale.stride()} and {v_scale.stride()}")
+    return k_scale, v_scale, k_scale.stride()
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -5,6 +5,8 @@ head as the rows of one tile, so each K/V tile is read from memory once per KV h
 per query head, and streams its share of the sequence's context through the block table in tiles
 of BLOCK_N tokens x head_dim (each token's head_dim row is contiguous: 16-byte, coalesced loads).
 Scores and the online softmax are float32 in the log2 domain (log2(e) folded into the scale, exp2).
+An fp8 cache (kv_quant) is widened to q's dtype on load: each score column is multiplied by its
+token's K scale, and each probability column by its token's V scale before the second dot.
 
 With one split the kernel normalizes and writes the output directly. With several, each program
 writes its normalized partial output and log2-sum-exp to a float32 workspace and a second small
@@ -20,7 +22,15 @@ import torch
 import triton
 import triton.language as tl
 
-from worker_service.attention.triton_common import LOG2E, attention_group, dot_precision, num_sms
+from worker_service.attention.kv_quant import is_fp8
+from worker_service.attention.triton_common import (
+    LOG2E,
+    attention_group,
+    compute_dtype,
+    dot_precision,
+    num_sms,
+    scale_operands,
+)
 from worker_service.attention.triton_paging import load_page_ids, token_offsets
 
 DECODE_BLOCK_N = 64  # context tokens per tile: 16 KiB of K (and of V) per tile at head_dim 128 in bf16
@@ -36,16 +46,18 @@ MAX_NUM_SPLITS = 64
 @triton.jit(do_not_specialize=["num_splits", "stride_bt_seq"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
-    scale_log2, num_splits,
+    k_scale_ptr, v_scale_ptr, scale_log2, num_splits,
     stride_q_tok, stride_q_head,
     stride_k_block, stride_k_tok, stride_k_head,
     stride_v_block, stride_v_tok, stride_v_head,
+    stride_s_block, stride_s_tok, stride_s_head,
     stride_bt_seq,
     stride_o_tok, stride_o_head,
     stride_po_seq, stride_po_head, stride_po_split,
     stride_pl_seq, stride_pl_head,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, IS_FP8: tl.constexpr,
+    SCALE_PROBS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -63,7 +75,9 @@ def _decode_kernel(
     heads = kv_head * GROUP + rows
     row_mask = rows < GROUP
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :],
-                mask=row_mask[:, None], other=0.0).to(k_cache_ptr.dtype.element_ty)
+                mask=row_mask[:, None], other=0.0)
+    if not IS_FP8:  # the dots run in the cache's dtype, or in q's for an fp8 cache
+        q = q.to(k_cache_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -71,23 +85,39 @@ def _decode_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     k_head = k_cache_ptr + kv_head * stride_k_head
     v_head = v_cache_ptr + kv_head * stride_v_head
+    k_scale_head = k_scale_ptr + kv_head * stride_s_head
+    v_scale_head = v_scale_ptr + kv_head * stride_s_head
     page_ids = load_page_ids(table, start, end, BLOCK_SIZE, BLOCK_N)
     for tile_start in range(start, end, BLOCK_N):
         col_mask = tile_start + cols < end
         k_rows = k_head + token_offsets(page_ids, tile_start, stride_k_block, stride_k_tok, BLOCK_SIZE, BLOCK_N)
         v_rows = v_head + token_offsets(page_ids, tile_start, stride_v_block, stride_v_tok, BLOCK_SIZE, BLOCK_N)
+        if IS_FP8:
+            scale_rows = token_offsets(page_ids, tile_start, stride_s_block, stride_s_tok, BLOCK_SIZE, BLOCK_N)
         page_ids = load_page_ids(table, tile_start + BLOCK_N, end, BLOCK_SIZE, BLOCK_N)  # next tile's, early
-        k = tl.load(k_rows[:, None] + dims[None, :], mask=col_mask[:, None], other=0.0)
+        k = tl.load(k_rows[:, None] + dims[None, :], mask=col_mask[:, None], other=0.0).to(q.dtype)
         v = tl.load(v_rows[:, None] + dims[None, :], mask=col_mask[:, None], other=0.0)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if IS_FP8:
+            k_scales = tl.load(k_scale_head + scale_rows, mask=col_mask, other=0.0)
+            v_scales = tl.load(v_scale_head + scale_rows, mask=col_mask, other=0.0)
+            scores = scores * k_scales[None, :]
+            if not SCALE_PROBS:
+                v = (v.to(tl.float32) * v_scales[:, None]).to(q.dtype)
+        v = v.to(q.dtype)
         scores = tl.where(col_mask[None, :], scores, float("-inf"))
         # Every tile holds at least one real token (start < end), so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if IS_FP8 and SCALE_PROBS:
+            # V's scales applied to the [heads, tokens] probabilities rather than the [tokens, dims]
+            # V tile: a quarter of the multiplies and no float32 round trip of the tile.
+            acc = acc * alpha[:, None] + tl.dot((p * v_scales[None, :]).to(v.dtype), v, input_precision=DOT_PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     is_nonempty = l_i > 0.0
@@ -151,7 +181,8 @@ def decode_workspace_numel(num_seqs: int, num_heads: int, head_dim: int, num_spl
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, num_splits: int, workspace: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None, *, block_n: int = DECODE_BLOCK_N, num_warps: int = DECODE_NUM_WARPS,
+                 out: torch.Tensor | None = None, *, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None, block_n: int = DECODE_BLOCK_N, num_warps: int = DECODE_NUM_WARPS,
                  num_stages: int = DECODE_NUM_STAGES) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
@@ -159,12 +190,15 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32 (context incl. the token).
     workspace: float32, at least decode_workspace_numel(...) elements, needed when num_splits > 1
     (allocated here when None; preallocate it for CUDA graph capture). out: [num_seqs, num_heads,
-    head_dim], allocated when None. block_n, num_warps, num_stages: tuning knobs (see the bench).
+    head_dim], allocated when None. k_scale, v_scale: an fp8 cache's per-head-vector scales, float32
+    [num_blocks, block_size, num_kv_heads] (kv_quant; None otherwise). block_n, num_warps,
+    num_stages: tuning knobs (see the bench).
     Launches only, no host sync.
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = attention_group(q, k_cache, v_cache)
+    k_scale, v_scale, scale_strides = scale_operands(k_cache, k_scale, v_scale)
     out = torch.empty_like(q) if out is None else out
     if num_seqs == 0:
         return out
@@ -185,17 +219,22 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         partial_out = partial_lse = out  # unused by the kernel's IS_SPLIT=False branch
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse,
-        scale * LOG2E, num_splits,
+        k_scale, v_scale, scale * LOG2E, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *scale_strides,
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2) if is_split else 0,
         partial_lse.stride(0), partial_lse.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, IS_SPLIT=is_split,
-        DOT_PRECISION=dot_precision(k_cache.dtype), num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=dot_precision(compute_dtype(q, k_cache)), IS_FP8=is_fp8(k_cache.dtype),
+        # Probabilities times V scales (down to ~1e-8) would fall into float16's subnormals: in
+        # float16 the V tile is scaled instead. bfloat16 and float32 have float32's range.
+        SCALE_PROBS=q.dtype != torch.float16,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if is_split:
         _merge_splits_kernel[(num_seqs, num_heads)](

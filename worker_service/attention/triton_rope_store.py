@@ -22,7 +22,13 @@ import torch
 import triton
 import triton.language as tl
 
-from worker_service.attention.triton_common import check_kernel_operands
+from worker_service.attention.kv_quant import is_fp8
+from worker_service.attention.triton_common import (
+    check_kernel_operands,
+    fp8_head_scales,
+    fp8_quantize,
+    scale_operands,
+)
 
 # Heads one program handles per step of its head loop: bounds the registers of the [heads, head_dim]
 # tiles (16 heads of 128 at a time) for models with many heads.
@@ -62,14 +68,15 @@ def _norm_and_rotate(x_ptr, stride_head, heads, head_mask, cos, sin, norm_ptr, e
 @triton.jit
 def _rope_store_kernel(
     q_ptr, k_ptr, v_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, eps,
-    q_out_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    q_out_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
     stride_cos, stride_sin, stride_out_tok, stride_out_head,
     stride_kc_block, stride_kc_tok, stride_kc_head,
     stride_vc_block, stride_vc_tok, stride_vc_head,
+    stride_s_block, stride_s_tok, stride_s_head,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr,
     BLOCK_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
+    HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, IS_FP8: tl.constexpr,
 ):
     HALF_DIM: tl.constexpr = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
@@ -100,19 +107,35 @@ def _rope_store_kernel(
                                       k_norm_ptr, eps, HALF_DIM, HAS_K_NORM)
             k_dst = (k_cache_ptr + block * stride_kc_block + offset * stride_kc_tok
                      + kv_heads[:, None] * stride_kc_head + dims[None, :])
-            tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask[:, None])
-            tl.store(k_dst + HALF_DIM, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask[:, None])
             v = tl.load(v_ptr + token * stride_v_tok + kv_heads[:, None] * stride_v_head + all_dims[None, :],
                         mask=kv_mask[:, None])
             v_dst = (v_cache_ptr + block * stride_vc_block + offset * stride_vc_tok
                      + kv_heads[:, None] * stride_vc_head + all_dims[None, :])
-            tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=kv_mask[:, None])
+            k_type = k_cache_ptr.dtype.element_ty
+            v_type = v_cache_ptr.dtype.element_ty
+            if IS_FP8:
+                # One scale per head vector, over both rotated halves of k.
+                k_amax = tl.maximum(tl.max(tl.abs(k1.to(tl.float32)), axis=1),
+                                    tl.max(tl.abs(k2.to(tl.float32)), axis=1))
+                k_scales = fp8_head_scales(k_amax)
+                v_scales = fp8_head_scales(tl.max(tl.abs(v.to(tl.float32)), axis=1))
+                scale_offsets = block * stride_s_block + offset * stride_s_tok + kv_heads * stride_s_head
+                tl.store(k_scale_ptr + scale_offsets, k_scales, mask=kv_mask)
+                tl.store(v_scale_ptr + scale_offsets, v_scales, mask=kv_mask)
+                tl.store(k_dst, fp8_quantize(k1, k_scales, k_type), mask=kv_mask[:, None])
+                tl.store(k_dst + HALF_DIM, fp8_quantize(k2, k_scales, k_type), mask=kv_mask[:, None])
+                tl.store(v_dst, fp8_quantize(v, v_scales, v_type), mask=kv_mask[:, None])
+            else:
+                tl.store(k_dst, k1.to(k_type), mask=kv_mask[:, None])
+                tl.store(k_dst + HALF_DIM, k2.to(k_type), mask=kv_mask[:, None])
+                tl.store(v_dst, v.to(v_type), mask=kv_mask[:, None])
 
 
 def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, *, q_norm_weight: torch.Tensor | None = None,
-                   k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+                   k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Norms (optional), rotates and stores one layer's new tokens; returns the rotated q.
 
     q [num_tokens, num_heads, head_dim], k and v [num_tokens, num_kv_heads, head_dim]: one dtype,
@@ -121,7 +144,9 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     q_norm_weight / k_norm_weight [head_dim] in q's dtype, or None to skip that norm; eps is shared.
     k (rotated) and v are converted to the cache dtype and written into k_cache, v_cache
     [num_blocks, block_size, num_kv_heads, head_dim] at slot_mapping [num_tokens] (block_id *
-    block_size + offset; negative = padding, not written). Returns a new contiguous
+    block_size + offset; negative = padding, not written); for an fp8 cache each head vector is
+    divided by its scale, written to k_scale / v_scale [num_blocks, block_size, num_kv_heads]
+    (float32; None otherwise; see kv_quant). Returns a new contiguous
     [num_tokens, num_heads, head_dim] tensor in q's dtype. No host sync (CUDA graph capturable);
     positions are not bounds-checked.
     """
@@ -132,20 +157,22 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     if num_tokens == 0:
         return q_out
     max_tile_heads = max(1, _MAX_TILE_ELEMENTS // head_dim)
+    k_scale, v_scale, scale_strides = scale_operands(k_cache, k_scale, v_scale)
     _rope_store_kernel[(num_tokens,)](
         q, k, v, positions, cos, sin,
         q if q_norm_weight is None else q_norm_weight,  # unread placeholders when there is no norm
         q if k_norm_weight is None else k_norm_weight,
-        eps, q_out, k_cache, v_cache, slot_mapping,
+        eps, q_out, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), sin.stride(0), q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *scale_strides,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         BLOCK_HEADS=min(triton.next_power_of_2(num_heads), max_tile_heads),
         BLOCK_KV_HEADS=min(triton.next_power_of_2(num_kv_heads), max_tile_heads),
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        HAS_Q_NORM=q_norm_weight is not None, HAS_K_NORM=k_norm_weight is not None,
+        HAS_Q_NORM=q_norm_weight is not None, HAS_K_NORM=k_norm_weight is not None, IS_FP8=is_fp8(k_cache.dtype),
         # An FMA would skip the rounding of a product that the eager composition performs.
         enable_fp_fusion=False, num_warps=4,
     )

@@ -45,6 +45,9 @@ class Attention(nn.Module):
         # Plain attributes, not buffers: the cache is not part of the checkpoint or of state_dict.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # With an fp8 cache, each cached head vector's scale ([num_blocks, block_size, num_kv_heads]).
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.split_sizes, dim=-1)
@@ -52,8 +55,8 @@ class Attention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         q = self.backend.rope_and_store(q, k, v, positions, self.rotary_emb, self.q_norm, self.k_norm,
-                                        self.k_cache, self.v_cache, metadata)
-        out = self.backend.attend(q, self.k_cache, self.v_cache, metadata, self.scale)
+                                        self.k_cache, self.v_cache, metadata, self.k_scale, self.v_scale)
+        out = self.backend.attend(q, self.k_cache, self.v_cache, metadata, self.scale, self.k_scale, self.v_scale)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 
