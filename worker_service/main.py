@@ -13,14 +13,14 @@ logger = logging.getLogger(__name__)
 async def _serve(args: argparse.Namespace) -> None:
     from common.cli import worker_config_from
     from worker_service.server import serve_worker
-    from worker_service.worker import WorkerCore
+    from worker_service.tp_group import create_worker_core
 
     if not args.model:
         from common.default_model import default_model_path
 
         args.model = default_model_path()
     started = time.perf_counter()
-    core = await asyncio.to_thread(WorkerCore, worker_config_from(args))
+    core = await asyncio.to_thread(create_worker_core, worker_config_from(args))
     logger.info("model %s loaded in %.1f s", args.model, time.perf_counter() - started)
     server, port = await serve_worker(core, args.host, args.port)
     stop = asyncio.Event()
@@ -31,6 +31,7 @@ async def _serve(args: argparse.Namespace) -> None:
     await stop.wait()
     logger.info("worker stopping")
     await server.stop(5)
+    core.close()
 
 
 def run_worker(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.generated.nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
 from common.grpc_options import server_options
+from worker_service.tp_group import TensorParallelCore
 from worker_service.worker import WorkerCore
 
 logger = logging.getLogger(__name__)
@@ -24,7 +25,7 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, core: WorkerCore) -> None:
+    def __init__(self, core: WorkerCore | TensorParallelCore) -> None:
         self.core = core
         self._turn = asyncio.Condition()
         self._next_step_id = 1
@@ -72,7 +73,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             return self.core.release(request)
 
 
-async def serve_worker(core: WorkerCore, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+async def serve_worker(core: WorkerCore | TensorParallelCore, host: str, port: int) -> tuple[grpc.aio.Server, int]:
     """Starts the worker's server; returns it and the bound port."""
     server = grpc.aio.server(options=server_options())
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(core), server)
