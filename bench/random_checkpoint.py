@@ -72,5 +72,7 @@ def make_random_checkpoint(folder: Path, config: dict | None = None, seed: int =
             file_name = "model.safetensors" if is_single else f"model-{num_files:05d}.safetensors"
             save_file(tensors, str(folder / file_name), metadata={"format": "pt"})
             tensors, num_files, file_bytes = {}, num_files + 1, 0
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the benchmark's workers measure free GPU memory next
     (folder / "config.json").write_text(json.dumps(config, indent=2))  # last: marks the checkpoint complete
     return folder
