@@ -14,7 +14,7 @@ def single_stream_latency(llm, num_tokens: int) -> dict:
     """One request alone: time to first token, and mean inter-token latency over num_tokens more."""
     def timed(max_tokens: int, offset: int) -> float:
         llm.engine.block_manager.reset_prefix_cache()
-        prompt = [(offset + i) % 1000 + 1 for i in range(PROMPT_LEN)]
+        prompt = [(offset * 131 + i * 7) % 500 + 1 for i in range(PROMPT_LEN)]  # within any vocabulary
         started = time.perf_counter()
         llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
         return time.perf_counter() - started
@@ -31,7 +31,7 @@ def profile_decode(llm, path: str, num_seqs: int = 64, num_tokens: int = 64) -> 
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    prompts = [[(s * 7 + i) % 1000 + 1 for i in range(PROMPT_LEN)] for s in range(num_seqs)]
+    prompts = [[(s * 131 + i * 7) % 500 + 1 for i in range(PROMPT_LEN)] for s in range(num_seqs)]
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
     llm.engine.block_manager.reset_prefix_cache()

@@ -7,6 +7,7 @@ others see their pipe from it close and exit.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import os
@@ -80,15 +81,16 @@ class TensorParallelCore:
             self._followers.append(process)
         self._closing = False
         threading.Thread(target=self._exit_when_a_rank_dies, daemon=True, name="tp-watch").start()
+        # A process that exits without close() (an exception) would otherwise wait forever at exit
+        # for ranks that wait for its next message.
+        atexit.register(self._kill_followers)
         try:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             init_tensor_parallel(0, size, address, device)
             self.core = WorkerCore(config)
         except BaseException:
-            self._closing = True
-            for process in self._followers:
-                process.kill()
+            self._kill_followers()
             destroy_tensor_parallel()
             raise
         # Message order must be execution order: the server calls Release and Step from two threads.
@@ -142,6 +144,13 @@ class TensorParallelCore:
         for pipe in self._pipes:
             pipe.close()
         destroy_tensor_parallel()
+        atexit.unregister(self._kill_followers)
+
+    def _kill_followers(self) -> None:
+        self._closing = True
+        for process in self._followers:
+            if process.is_alive():
+                process.kill()
 
     def _exit_when_a_rank_dies(self) -> None:
         sentinels = {process.sentinel: process for process in self._followers}
