@@ -24,6 +24,7 @@ fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 serving_stage() {
   local model=/tmp/nanovllm-bench/random-qwen3-0.6b wport=50161 port=50151 mport=50191
+  NANOVLLM_WORKER_SECRET=$(python3 -c "import secrets; print(secrets.token_hex(16))"); export NANOVLLM_WORKER_SECRET
   python3 -c "from pathlib import Path; from bench.random_checkpoint import make_random_checkpoint as m; m(Path('$model'))"
   python3 -m common.cli --log-level WARNING worker --model "$model" --port $wport >"$OUT/serving-worker.log" 2>&1 &
   local worker=$!

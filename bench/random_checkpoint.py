@@ -1,5 +1,6 @@
-"""A randomly initialised checkpoint of Qwen3-0.6B's shapes (config.json + safetensors, bf16), for
-speed measurements where no weights can be downloaded: with EOS ignored the work is the same."""
+"""A randomly initialised checkpoint of Qwen3-0.6B's (or Qwen3-8B's) shapes (config.json +
+safetensors, bf16), for speed measurements where no weights can be downloaded: with EOS ignored
+the work is the same."""
 from __future__ import annotations
 
 import json
@@ -15,11 +16,20 @@ QWEN3_0_6B = {
     "tie_word_embeddings": True, "torch_dtype": "bfloat16", "eos_token_id": 151645, "bos_token_id": 151643,
 }
 
+# Qwen3-8B's shapes (untied embeddings): 8.2 B parameters, 16.4 GB in bf16.
+QWEN3_8B = QWEN3_0_6B | {
+    "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "tie_word_embeddings": False,
+}
+RANDOM_MODELS = {"random-qwen3-0.6b": QWEN3_0_6B, "random-qwen3-8b": QWEN3_8B}
+
 
 def qwen3_tensors(config: dict, std: float = 0.02) -> dict[str, tuple[int, ...]]:
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
     shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden), "model.norm.weight": (hidden,)}
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (config["vocab_size"], hidden)
     for layer in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{layer}"
         shapes |= {
@@ -39,18 +49,30 @@ def qwen3_tensors(config: dict, std: float = 0.02) -> dict[str, tuple[int, ...]]
 
 
 def make_random_checkpoint(folder: Path, config: dict | None = None, seed: int = 0) -> Path:
-    """Writes the checkpoint once; an existing one is reused."""
+    """Writes the checkpoint once; an existing one is reused. Large models are drawn on the GPU
+    when there is one (minutes on a CPU for 8 B parameters) and saved in ~2 GB files."""
     config = config or QWEN3_0_6B
     folder.mkdir(parents=True, exist_ok=True)
-    if (folder / "model.safetensors").exists():
+    if (folder / "config.json").exists():
         return folder
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, shape in qwen3_tensors(config).items():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator(device).manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    num_files, file_bytes = 0, 0
+    names = list(qwen3_tensors(config).items())
+    for index, (name, shape) in enumerate(names):
         if len(shape) == 1:  # norm weights
             tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
         else:
-            tensors[name] = (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
+            drawn = torch.randn(shape, generator=generator, device=device) * 0.02
+            tensors[name] = drawn.to(torch.bfloat16).cpu()
+        file_bytes += tensors[name].numel() * 2
+        if file_bytes >= 2 << 30 or index == len(names) - 1:
+            is_single = num_files == 0 and index == len(names) - 1
+            file_name = "model.safetensors" if is_single else f"model-{num_files:05d}.safetensors"
+            save_file(tensors, str(folder / file_name), metadata={"format": "pt"})
+            tensors, num_files, file_bytes = {}, num_files + 1, 0
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the benchmark's workers measure free GPU memory next
+    (folder / "config.json").write_text(json.dumps(config, indent=2))  # last: marks the checkpoint complete
     return folder

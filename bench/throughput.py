@@ -4,6 +4,8 @@ by an asyncio client), and the first 32 requests through transformers' continuou
 
     python bench/throughput.py --model random-qwen3-0.6b            # on a GPU: the reference run
     python bench/throughput.py --model PATH --num-seqs 16 --max-input-len 128 --max-output-len 64
+    python bench/throughput.py --model random-qwen3-8b --modes inprocess --tensor-parallel-size 2 --itl-tokens 256
+    python bench/throughput.py --modes grpc --num-workers 2    # data parallelism: one GPU per worker
 
 Each mode runs in its own process (so that each has the whole GPU); output tok/s counts output
 tokens over wall time, prefill included, after a warm-up. The last lines are a table.
@@ -32,7 +34,7 @@ RESULT_PREFIX = "RESULT "
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="random-qwen3-0.6b",
-                        help="checkpoint path, or random-qwen3-0.6b (built under --work-dir)")
+                        help="checkpoint path, or random-qwen3-0.6b / random-qwen3-8b (built under --work-dir)")
     parser.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "nanovllm-bench"))
     parser.add_argument("--modes", default="inprocess,grpc,hf", help="comma-separated: inprocess, grpc, hf")
     parser.add_argument("--num-seqs", type=int, default=256)
@@ -49,6 +51,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="fp8: e4m3 KV cache (half the K/V bytes of bf16)")
     parser.add_argument("--num-decode-steps", type=int, default=4, help="decode iterations per step")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--num-workers", type=int, default=1,
+                        help="grpc mode: workers (data parallelism), worker i on GPU i (CUDA_VISIBLE_DEVICES)")
+    parser.add_argument("--itl-tokens", type=int, default=0,
+                        help="in-process mode: then time one stream of this many tokens (inter-token latency)")
+    parser.add_argument("--torch-profile", help="in-process mode: then profile decode steps, summary to this file")
     parser.add_argument("--run-mode", help=argparse.SUPPRESS)  # internal: one mode in this process
     parser.add_argument("--json-out", help="write all results as JSON here")
     parser.add_argument("--profile", help="in-process mode: write a cProfile of the timed run here")
@@ -56,11 +64,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def resolve_model(args: argparse.Namespace) -> str:
-    if args.model != "random-qwen3-0.6b":
-        return args.model
-    from bench.random_checkpoint import make_random_checkpoint
+    from bench.random_checkpoint import RANDOM_MODELS, make_random_checkpoint
 
-    return str(make_random_checkpoint(Path(args.work_dir) / "random-qwen3-0.6b"))
+    if args.model not in RANDOM_MODELS:
+        return args.model
+    return str(make_random_checkpoint(Path(args.work_dir) / args.model, RANDOM_MODELS[args.model]))
 
 
 def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[int]]:
@@ -77,7 +85,7 @@ def engine_options(args: argparse.Namespace) -> dict:
     return dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                 enforce_eager=args.enforce_eager, device=args.device, num_decode_steps=args.num_decode_steps,
-                kv_cache_dtype=args.kv_cache_dtype)
+                kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size)
 
 
 # Modes, each run in its own process.
@@ -102,6 +110,15 @@ def run_inprocess(args: argparse.Namespace, model: str) -> dict:
         llm.engine.block_manager.reset_prefix_cache()  # the next run starts cold, like the reference
     results["num_kv_blocks"] = llm.engine.block_manager.num_blocks
     results["num_preemptions"] = llm.engine.scheduler.num_preemptions
+    if args.itl_tokens:
+        from bench.tp_measures import single_stream_latency
+
+        results["single_stream"] = single_stream_latency(llm, args.itl_tokens)
+    if args.torch_profile:
+        from bench.tp_measures import profile_decode
+
+        results["profile"] = profile_decode(llm, args.torch_profile)
+    llm.close()
     return results
 
 
@@ -118,15 +135,11 @@ def _profiler(path: str | None):
 def run_grpc(args: argparse.Namespace, model: str) -> dict:
     from tests.services_harness import cli, free_port, stop
 
-    worker_port, port = free_port(), free_port()
-    worker_flags = ["--model", model, "--port", str(worker_port), "--max-model-len", str(args.max_model_len),
-                    "--block-size", str(args.block_size), "--device", args.device,
-                    "--max-num-seqs", str(args.max_num_seqs),
-                    "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                    "--kv-cache-dtype", args.kv_cache_dtype,
-                    *(["--enforce-eager"] if args.enforce_eager else [])]
-    worker = cli("worker", *worker_flags)
-    scheduler = cli("scheduler", "--worker", f"127.0.0.1:{worker_port}", "--port", str(port),
+    worker_ports, port = [free_port() for _ in range(args.num_workers)], free_port()
+    workers = [_start_worker(args, model, worker_port, index if args.num_workers > 1 else None)
+               for index, worker_port in enumerate(worker_ports)]
+    addresses = ",".join(f"127.0.0.1:{worker_port}" for worker_port in worker_ports)
+    scheduler = cli("scheduler", "--worker", addresses, "--port", str(port),
                     "--max-num-seqs", str(args.max_num_seqs),
                     "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                     "--num-decode-steps", str(args.num_decode_steps))
@@ -134,7 +147,25 @@ def run_grpc(args: argparse.Namespace, model: str) -> dict:
         return asyncio.run(_grpc_client(args, f"127.0.0.1:{port}"))
     finally:
         stop(scheduler)
-        stop(worker)
+        for worker in workers:
+            stop(worker)
+
+
+def _start_worker(args: argparse.Namespace, model: str, port: int, gpu: int | None) -> subprocess.Popen:
+    """A `nanovllm worker`; on GPU `gpu` alone when given (data parallelism: one GPU per worker)."""
+    from common.worker_link import SECRET_ENV
+    from tests.services_harness import WORKER_SECRET
+
+    flags = ["--model", model, "--port", str(port), "--max-model-len", str(args.max_model_len),
+             "--block-size", str(args.block_size), "--device", args.device,
+             "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+             "--tensor-parallel-size", str(args.tensor_parallel_size),
+             *(["--enforce-eager"] if args.enforce_eager else [])]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", SECRET_ENV: WORKER_SECRET}
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    return subprocess.Popen([sys.executable, "-m", "common.cli", "--log-level", "WARNING", "worker", *flags],
+                            cwd=REPO_ROOT, env=env)
 
 
 async def _grpc_client(args: argparse.Namespace, target: str) -> dict:
@@ -250,10 +281,18 @@ def report(args: argparse.Namespace, results: dict, bandwidth: float | None) -> 
             label = "transformers CB" if mode == "hf" else mode
             rows.append((f"{label}, first {args.hf_num_seqs}", entry["output_tokens"], entry["seconds"], tok_s(entry)))
     print()
+    print(f"{Path(args.model).name}, tensor parallel {args.tensor_parallel_size}, {args.num_workers} worker(s) in grpc")
     print(f"{'configuration':36} {'out tokens':>10} {'seconds':>9} {'tok/s':>10}")
     for name, tokens, seconds, rate in rows:
         print(f"{name:36} {tokens:>10} {seconds:>9.2f} {rate:>10.0f}")
     inproc, grpc_ = results.get("inprocess"), results.get("grpc")
+    if inproc and inproc.get("single_stream"):
+        single = inproc["single_stream"]
+        print(f"single stream: TTFT {single['ttft_s'] * 1e3:.1f} ms, ITL {single['itl_ms']:.2f} ms")
+    if inproc and inproc.get("profile"):
+        prof = inproc["profile"]
+        print(f"profile (rank 0 GPU): collectives {prof['collectives_ms']:.1f} ms, rest {prof['compute_ms']:.1f} ms "
+              f"of kernel time, over {prof['wall_s']:.2f} s wall")
     if inproc and grpc_:
         print(f"gRPC / in-process: {tok_s(grpc_['all']) / tok_s(inproc['all']):.3f}")
     if inproc and results.get("hf"):

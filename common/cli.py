@@ -29,6 +29,8 @@ def add_worker_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                        help="auto: the model dtype; fp8: e4m3 with per-token scales, ~twice the tokens")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="shard the model over the first N visible GPUs (N processes on CPU)")
 
 
 def add_scheduler_options(parser: argparse.ArgumentParser) -> None:
@@ -102,8 +104,8 @@ def worker_config_from(args: argparse.Namespace):
                         max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
                         cpu_kv_cache_bytes=int(args.cpu_kv_cache_gb * 2**30), num_kv_blocks=args.num_kv_blocks,
                         enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
-                        max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens)
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        tensor_parallel_size=args.tensor_parallel_size)
 
 
 def scheduler_config_from(args: argparse.Namespace):

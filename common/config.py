@@ -107,6 +107,8 @@ class WorkerConfig:
     # The scheduler never schedules more (it takes the smaller of its own limits and these).
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
+    # Ranks (processes) that share the model: the first N visible GPUs, or N CPU processes.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model", "must name a checkpoint folder or GGUF file")
@@ -124,6 +126,11 @@ class WorkerConfig:
         _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                  f"must be >= 1, got {self.max_num_batched_tokens}")
+        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size",
+                 f"must be >= 1, got {self.tensor_parallel_size}")
+        _require(self.tensor_parallel_size == 1 or ":" not in self.device, "device",
+                 f"{self.device} names one GPU; tensor parallelism takes the first tensor_parallel_size "
+                 "visible GPUs (choose them with CUDA_VISIBLE_DEVICES)")
 
 
 @dataclass(frozen=True)

@@ -24,16 +24,18 @@ class LLM:
     """`LLM(model_path, **options).generate(prompts, sampling_params)`, as nano-vllm's.
 
     Options are the fields of SchedulerConfig and WorkerConfig (block_size, max_num_seqs,
-    max_num_batched_tokens, max_model_len, num_kv_blocks, dtype, device, ...).
+    max_num_batched_tokens, max_model_len, num_kv_blocks, dtype, device, tensor_parallel_size, ...).
+    With tensor_parallel_size > 1 this process is rank 0 and the other ranks are child processes
+    until close().
     """
 
     def __init__(self, model: str, **options: Any) -> None:
         scheduler_options, worker_options = split_options(options)
         self.scheduler_config = SchedulerConfig(**scheduler_options)
         worker_config = WorkerConfig(model=model, **worker_options)
-        from worker_service.worker import WorkerCore  # torch is imported only here
+        from worker_service.tp_group import create_worker_core  # torch is imported only here
 
-        self.worker = WorkerCore(worker_config)
+        self.worker = create_worker_core(worker_config)
         describe = self.worker.describe()
         if describe.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks: the memory budget holds no KV block")
@@ -42,6 +44,10 @@ class LLM:
         eos = eos_token_ids(model, self.tokenizer) | set(self.worker.eos_token_ids)
         self.engine = EngineCore(self.scheduler_config, worker_info_from(describe, num_blocks.num_kv_blocks), eos)
         freeze_startup_objects()
+
+    def close(self) -> None:
+        """Stops the worker's other ranks (tensor parallelism); a no-op for one rank."""
+        self.worker.close()
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

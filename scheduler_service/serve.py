@@ -41,6 +41,7 @@ def worker_command(args: argparse.Namespace, port: int) -> list[str]:
         "--cpu-kv-cache-gb", str(args.cpu_kv_cache_gb), "--num-kv-blocks", str(args.num_kv_blocks),
         "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--kv-cache-dtype", args.kv_cache_dtype,
+        "--tensor-parallel-size", str(args.tensor_parallel_size),
         *(["--enforce-eager"] if args.enforce_eager else []),
     ]
 

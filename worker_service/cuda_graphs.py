@@ -27,7 +27,9 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: nn.Module, config: ModelConfig, backend: AttentionBackend, max_num_seqs: int,
-                 max_model_len: int, block_size: int, device: torch.device) -> None:
+                 max_model_len: int, block_size: int, device: torch.device,
+                 heads: tuple[int, int] | None = None) -> None:
+        """heads: (query heads, KV heads) of this rank, when tensor parallelism splits them."""
         self.model = model
         self.sizes = capture_sizes(max_num_seqs)
         self.max_batch = self.sizes[-1]
@@ -42,17 +44,18 @@ class DecodeGraphs:
                                   device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.metadata: dict[int, AttentionMetadata] = {}
-        self._prepare_metadata(config, backend, max_model_len, block_size)
+        self._prepare_metadata(heads or (config.num_heads, config.num_kv_heads), config.head_dim, backend,
+                               max_model_len, block_size)
 
-    def _prepare_metadata(self, config: ModelConfig, backend: AttentionBackend, max_model_len: int,
-                          block_size: int) -> None:
+    def _prepare_metadata(self, heads: tuple[int, int], head_dim: int, backend: AttentionBackend,
+                          max_model_len: int, block_size: int) -> None:
         for size in sorted(self.sizes, reverse=True):  # the largest first: smaller ones share its buffers
             metadata = AttentionMetadata(
                 slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:size + 1],
                 seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size], max_query_len=1,
                 max_seq_len=max_model_len, block_size=block_size)
-            self.metadata[size] = backend.prepare_decode_graph(metadata, config.num_heads, config.num_kv_heads,
-                                                               config.head_dim, max_model_len)
+            self.metadata[size] = backend.prepare_decode_graph(metadata, heads[0], heads[1], head_dim,
+                                                               max_model_len)
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -30,7 +30,7 @@ def check_port_free(host: str, port: int) -> None:
 async def _serve(args: argparse.Namespace) -> None:
     from common.cli import worker_config_from, worker_link_from
     from worker_service.server import serve_worker
-    from worker_service.worker import WorkerCore
+    from worker_service.tp_group import create_worker_core
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -43,13 +43,14 @@ async def _serve(args: argparse.Namespace) -> None:
 
         args.model = default_model_path()
     started = time.perf_counter()
-    core = await asyncio.to_thread(WorkerCore, worker_config_from(args))
+    core = await asyncio.to_thread(create_worker_core, worker_config_from(args))
     logger.info("model %s loaded in %.1f s", args.model, time.perf_counter() - started)
     server, port = await serve_worker(core, args.host, args.port, link)
     logger.info("worker ready on %s", args.host if args.host.startswith("/") else f"{args.host}:{port}")
     await stop.wait()
     logger.info("worker stopping")
     await server.stop(5)
+    core.close()
 
 
 def run_worker(args: argparse.Namespace) -> int:

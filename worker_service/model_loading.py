@@ -27,6 +27,17 @@ def load_checkpoint(model: str, dtype: torch.dtype, device: torch.device,
     return load_model(path, dtype, device, backend)
 
 
+def read_model_config(model: str) -> ModelConfig:
+    """The model configuration of a checkpoint, without loading its weights."""
+    path = Path(model)
+    gguf_file = find_gguf_file(path) if path.exists() else None
+    if gguf_file is not None:
+        return gguf_model_config(GGUFFile(gguf_file))
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"model: {model} holds neither config.json nor a .gguf file")
+    return ModelConfig.from_hf_folder(path)
+
+
 def load_gguf_model(path: Path, dtype: torch.dtype, device: torch.device,
                     backend: AttentionBackend) -> tuple[nn.Module, ModelConfig]:
     """Builds the model from GGUF metadata and loads its dequantized tensors, one at a time."""

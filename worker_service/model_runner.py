@@ -14,6 +14,7 @@ from worker_service.attention.kv_quant import SCALE_DTYPE, is_fp8, kv_cache_torc
 from worker_service.batch import ModelInput
 from worker_service.cuda_graphs import DecodeGraphs
 from worker_service.decode_plan import DecodePlan, stack_outputs
+from worker_service.distributed import broadcast_from_first, min_over_ranks, tp_rank, tp_size
 from worker_service.layers import fused_kernels
 from worker_service.memory_profile import profile_peak_memory
 from worker_service.model_loading import load_checkpoint
@@ -26,10 +27,14 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, rank: int = 0, world_size: int = 1) -> torch.device:
+    """The device of a rank: with tensor parallelism rank r takes the r-th visible GPU."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and world_size > 1:
+        return torch.device("cuda", rank)
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -56,7 +61,7 @@ class KVCacheSpec:
 class ModelRunner:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
-        self.device = resolve_device(config.device)
+        self.device = resolve_device(config.device, tp_rank(), tp_size())
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -68,8 +73,10 @@ class ModelRunner:
         self.model, self.model_config = load_checkpoint(config.model, self.dtype, self.device, self.backend)
         self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
         self.sampler = Sampler(seed=config.seed)
+        attention = self.model.attention_layers()[0]  # its head counts are this rank's
+        self.num_heads, self.num_kv_heads = attention.num_heads, attention.num_kv_heads
         self.kv_spec = KVCacheSpec(self.model_config.num_layers, config.block_size,
-                                   self.model_config.num_kv_heads, self.model_config.head_dim,
+                                   self.num_kv_heads, self.model_config.head_dim,
                                    kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype))
         self.num_kv_blocks = 0
         self.kv_cache: torch.Tensor | None = None
@@ -90,14 +97,16 @@ class ModelRunner:
     def available_kv_blocks(self) -> int:
         """Blocks that fit in the memory budget (or the configured override). On a GPU the budget is
         gpu_memory_utilization of the device, less what other processes hold and the peak of a
-        warm-up step of the largest size the worker serves (weights and activations)."""
+        warm-up step of the largest size the worker serves (weights and activations). Under tensor
+        parallelism every rank calls this once, together: the group takes its smallest rank's."""
         if self._available_blocks is None:
             if self.config.num_kv_blocks:
-                self._available_blocks = self.config.num_kv_blocks
+                blocks = self.config.num_kv_blocks
             elif self.device.type == "cuda":
-                self._available_blocks = self._gpu_kv_budget() // self.kv_spec.bytes_per_block
+                blocks = self._gpu_kv_budget() // self.kv_spec.bytes_per_block
             else:
-                self._available_blocks = self.config.cpu_kv_cache_bytes // self.kv_spec.bytes_per_block
+                blocks = self.config.cpu_kv_cache_bytes // self.kv_spec.bytes_per_block
+            self._available_blocks = min_over_ranks(blocks, self.device)
         return max(self._available_blocks, 0)
 
     def _gpu_kv_budget(self) -> int:
@@ -138,7 +147,8 @@ class ModelRunner:
                     num_blocks * spec.bytes_per_block / 2**20)
         if capture_graphs and self.device.type == "cuda" and not self.config.enforce_eager:
             self.graphs = DecodeGraphs(self.model, self.model_config, self.backend, self.config.max_num_seqs,
-                                       self.max_model_len, self.config.block_size, self.device)
+                                       self.max_model_len, self.config.block_size, self.device,
+                                       (self.num_heads, self.num_kv_heads))
             self.graphs.capture()
         return num_blocks
 
@@ -151,7 +161,14 @@ class ModelRunner:
             return None
         batch = SamplingBatch.build(**sampling_batch_inputs(model_input.sampled_chunks),
                                     vocab_size=self.vocab_size, device=self.device)
-        return self.sampler.sample(logits, batch)
+        return self._sample(logits, batch)
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Samples; under tensor parallelism every rank takes rank 0's tokens (a small collective
+        queued on the stream, no host sync), so the next step's inputs agree on every rank."""
+        output = self.sampler.sample(logits, batch)
+        broadcast_from_first(output.token_ids)
+        return output
 
     @torch.inference_mode()
     def forward_logits(self, model_input: ModelInput) -> torch.Tensor | None:
@@ -191,7 +208,7 @@ class ModelRunner:
                 # Seeded rows draw from (seed, output index): the index moves every iteration.
                 step_inputs = dict(inputs, output_index=[i + index for i in inputs["output_index"]])
                 batch = SamplingBatch.build(**step_inputs, vocab_size=self.vocab_size, device=self.device)
-            outputs.append(self.sampler.sample(logits, batch))
+            outputs.append(self._sample(logits, batch))
         return stack_outputs(outputs)
 
     def _fill_pending_tokens(self, model_input: ModelInput) -> None:

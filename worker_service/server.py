@@ -22,6 +22,7 @@ from common.grpc_options import server_options
 from common.tls import server_credentials
 from worker_service.errors import ClaimRefusedError, SessionLostError, StepOrderError
 from worker_service.interceptors import ErrorInterceptor, SecretInterceptor
+from worker_service.tp_group import TensorParallelCore
 from worker_service.worker import WorkerCore
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Serves one scheduler session at a time: InitCache claims the worker for a session id, and
     Step and Release name it. A call from any other session is refused before it touches anything."""
 
-    def __init__(self, core: WorkerCore) -> None:
+    def __init__(self, core: WorkerCore | TensorParallelCore) -> None:
         self.core = core
         self._turn = asyncio.Condition()
         self._next_step_id = 1
@@ -120,7 +121,7 @@ def server_credentials_for(link: WorkerLinkConfig) -> grpc.ServerCredentials | N
     return server_credentials(link.tls_cert, link.tls_key, link.tls_ca or None)
 
 
-async def serve_worker(core: WorkerCore, host: str, port: int,
+async def serve_worker(core: WorkerCore | TensorParallelCore, host: str, port: int,
                        link: WorkerLinkConfig) -> tuple[grpc.aio.Server, int]:
     """Starts the worker's server; returns it and the bound port. Raises PortInUseError when the
     address is taken (SO_REUSEPORT is off, so a second worker cannot share a port)."""

@@ -136,7 +136,7 @@ class WorkerCore:
             vocab_size=runner.vocab_size,
             num_kv_blocks=runner.num_kv_blocks or runner.available_kv_blocks(),
             device=str(runner.device),
-            tensor_parallel_size=1,
+            tensor_parallel_size=self.config.tensor_parallel_size,
             eos_token_ids=self.eos_token_ids,
             num_held_sequences=len(self.seq_id_to_state),
             max_num_seqs=self.config.max_num_seqs,
@@ -155,6 +155,9 @@ class WorkerCore:
         num_blocks = self.runner.init_cache(request.num_kv_blocks)
         freeze_startup_objects()  # graphs are captured: start-up is over
         return worker_pb2.InitCacheResponse(num_kv_blocks=num_blocks)
+
+    def close(self) -> None:
+        """Nothing to stop in a single-process worker (a tensor-parallel group stops its ranks)."""
 
     def release(self, request: worker_pb2.ReleaseRequest) -> worker_pb2.ReleaseResponse:
         with self.lock:

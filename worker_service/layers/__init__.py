@@ -1,5 +1,6 @@
-"""Model building blocks (norms, rotary embedding, fused linears, embeddings); single-device for now,
-with fused weight layouts and shard loaders that tensor parallelism can later split."""
+"""Model building blocks (norms, rotary embedding, fused linears, embeddings). The linears and the
+embedding/head apply tensor parallelism themselves (worker_service.distributed says the rank), so
+the models read the same at any rank count."""
 
 from worker_service.layers.activation import SiluAndMul
 from worker_service.layers.embedding import LMHead, VocabEmbedding

@@ -2,8 +2,12 @@
 
 Every parameter carries a `weight_loader(param, tensor, shard_id)` attribute and a `shard_ids`
 tuple naming the shards that must all be loaded ((None,) for an unfused weight). Checkpoint
-loaders only go through these, so tensor parallelism can later change what a rank keeps (a slice
-of each shard) without touching the loaders. Single device for now: each rank would hold all.
+loaders hand over whole tensors and only go through these; with tensor parallelism the layers
+keep their rank's slice (gpt-fast's tp.py style: the model code reads the same at any rank count).
+
+Column-parallel layers (QKV, gate/up) keep a slice of each shard's output rows and need no
+communication; row-parallel layers (o_proj, down_proj) keep a slice of the input columns and sum
+their partial outputs over the ranks.
 """
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from worker_service.distributed import all_reduce, tp_rank, tp_size
 
 ShardId = int | str | None
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
@@ -29,6 +35,13 @@ def copy_checked(target: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
     if target.shape != loaded.shape:
         raise ValueError(f"{what}: checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
     target.copy_(loaded)
+
+
+def split_evenly(size: int, what: str) -> int:
+    """This rank's share of size, which must divide by the number of ranks."""
+    if size % tp_size():
+        raise ValueError(f"{what} {size} is not divisible by tensor_parallel_size {tp_size()}")
+    return size // tp_size()
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
@@ -61,26 +74,55 @@ class LinearBase(nn.Module):
 
 
 class RowLinear(LinearBase):
-    """A linear whose input dimension tensor parallelism will split (o_proj, down_proj), followed
-    then by an all-reduce. Single device: a plain linear."""
+    """A linear whose input dimension is split over the ranks (o_proj, down_proj): each rank holds
+    columns [rank * input_size / N, ...) of W, multiplies its slice of the input (the output of a
+    column-parallel layer) and the partial outputs are summed over ranks. The bias is added once,
+    after the sum."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(split_evenly(input_size, "row-parallel input size"), output_size, bias)
+        self.full_input_size = input_size
+        attach_loader(self.weight, self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"unfused parameter got shard {shard_id!r}")
+        check_shape(loaded, (self.output_size, self.full_input_size), "weight")
+        copy_checked(param.data, loaded.narrow(1, tp_rank() * self.input_size, self.input_size), "weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if tp_size() == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = all_reduce(F.linear(x, self.weight))
+        return out + self.bias if self.bias is not None else out
 
 
 class MergedColumnLinear(LinearBase):
-    """Several linears of the same input fused along the output dimension (gate_proj + up_proj):
-    shard i occupies rows sum(output_sizes[:i]) .. + output_sizes[i] of the weight and bias."""
+    """Several linears of the same input fused along the output dimension (gate_proj + up_proj),
+    each split over the ranks by output rows: shard i (full size full_output_sizes[i]) keeps
+    output_sizes[i] = full / N rows on each rank, at rows sum(output_sizes[:i]) of the fused weight."""
 
     def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False,
                  shard_names: Sequence[ShardId] | None = None) -> None:
-        super().__init__(input_size, sum(output_sizes), bias)
-        self.output_sizes = list(output_sizes)
+        self.full_output_sizes = list(output_sizes)
+        local_sizes = self._local_sizes(self.full_output_sizes)
+        super().__init__(input_size, sum(local_sizes), bias)
+        self.output_sizes = local_sizes
         self.shard_names: tuple[ShardId, ...] = tuple(shard_names or range(len(output_sizes)))
         if len(self.shard_names) != len(self.output_sizes):
             raise ValueError("one shard name per output size")
         for param in self._params():
             attach_loader(param, self.weight_loader, self.shard_names)
 
+    def _local_sizes(self, full_sizes: list[int]) -> list[int]:
+        return [split_evenly(size, "column-parallel output size") for size in full_sizes]
+
+    def _source_row(self, index: int) -> int:
+        """The first row of a full checkpoint shard that this rank keeps."""
+        return tp_rank() * self.output_sizes[index]
+
     def shard_rows(self, shard_id: ShardId) -> tuple[int, int]:
-        """(row offset, row count) of a shard in the fused weight."""
+        """(row offset, row count) of a shard in this rank's fused weight."""
         if shard_id not in self.shard_names:
             raise ValueError(f"unknown shard {shard_id!r}; this layer has shards {self.shard_names}")
         index = self.shard_names.index(shard_id)
@@ -88,22 +130,49 @@ class MergedColumnLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         offset, rows = self.shard_rows(shard_id)
-        copy_checked(param.data.narrow(0, offset, rows), loaded, f"shard {shard_id!r}")
+        index = self.shard_names.index(shard_id)
+        what = f"shard {shard_id!r}"
+        check_shape(loaded, (self.full_output_sizes[index], *param.shape[1:]), what)
+        copy_checked(param.data.narrow(0, offset, rows), loaded.narrow(0, self._source_row(index), rows), what)
 
 
 class QKVLinear(MergedColumnLinear):
     """q, k and v projections fused into one weight [(num_heads + 2 * num_kv_heads) * head_dim, hidden];
-    shards "q", "k", "v" in that order. The output splits with `split_sizes`."""
+    shards "q", "k", "v" in that order. The output splits with `split_sizes`.
+
+    Over N ranks each keeps num_heads / N query heads and the KV heads they read: num_kv_heads / N
+    of them, or, with fewer KV heads than ranks, one KV head replicated on N / num_kv_heads ranks.
+    `num_heads` and `num_kv_heads` are this rank's counts."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False) -> None:
-        self.q_size = num_heads * head_dim
-        self.kv_size = num_kv_heads * head_dim
-        super().__init__(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias, shard_names=("q", "k", "v"))
+        self.head_dim = head_dim
+        self.num_heads = split_evenly(num_heads, "num_heads")
+        size = tp_size()
+        if num_kv_heads % size and size % num_kv_heads:
+            raise ValueError(f"num_kv_heads {num_kv_heads} and tensor_parallel_size {size}: one must divide the other")
+        self.num_kv_heads = max(num_kv_heads // size, 1)
+        # Query head h reads KV head h // (num_heads / num_kv_heads): the first one of this rank's heads.
+        self.kv_head_start = tp_rank() * self.num_heads // (num_heads // num_kv_heads)
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
+                         bias, shard_names=("q", "k", "v"))
+
+    def _local_sizes(self, full_sizes: list[int]) -> list[int]:
+        return [self.q_size, self.kv_size, self.kv_size]
+
+    def _source_row(self, index: int) -> int:
+        return tp_rank() * self.q_size if index == 0 else self.kv_head_start * self.head_dim
 
     @property
     def split_sizes(self) -> list[int]:
         return [self.q_size, self.kv_size, self.kv_size]
+
+
+def check_shape(loaded: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
+    if tuple(loaded.shape) != tuple(expected):
+        raise ValueError(f"{what}: checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(expected)}")
 
 
 def loader_of(param: nn.Parameter) -> tuple[WeightLoader, tuple[Any, ...]]:

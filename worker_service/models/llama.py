@@ -28,12 +28,13 @@ class Attention(nn.Module):
 
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
         self.qkv_proj = QKVLinear(config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads,
                                   bias=config.attention_bias)
+        # The heads this module computes: all of them, or its rank's share under tensor parallelism.
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
         # HF's qwen2 has biases on q/k/v only; llama and qwen3 put attention_bias on o_proj too.
         o_bias = config.attention_bias and config.architecture != "qwen2"
         self.o_proj = RowLinear(config.num_heads * config.head_dim, config.hidden_size, bias=o_bias)

@@ -1,0 +1,175 @@
+"""A worker over N ranks (tensor parallelism): this process is rank 0 and serves; it spawns ranks
+1..N-1 (tp_follower) and passes every state-changing request on to them before running it.
+
+The group lives and dies as one: if any other rank exits, rank 0 exits at once (its server goes
+with it, so the scheduler sees a lost worker and recomputes its requests); if rank 0 dies, the
+others see their pipe from it close and exit.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import os
+import socket
+import threading
+from multiprocessing.connection import wait
+
+import torch
+
+from common.config import WorkerConfig
+from common.generated.nanovllm.worker.v1 import worker_pb2
+from worker_service import step_channel
+from worker_service.distributed import destroy_tensor_parallel, init_tensor_parallel
+from worker_service.model_loading import read_model_config
+from worker_service.model_runner import resolve_device
+from worker_service.step_channel import MessageKind
+from worker_service.tp_follower import run_follower
+from worker_service.worker import PendingStep, WorkerCore
+
+logger = logging.getLogger(__name__)
+
+
+def create_worker_core(config: WorkerConfig) -> WorkerCore | TensorParallelCore:
+    """The worker of config: a WorkerCore, or rank 0 of a tensor-parallel group."""
+    if config.tensor_parallel_size == 1:
+        return WorkerCore(config)
+    return TensorParallelCore(config)
+
+
+def check_tensor_parallel(config: WorkerConfig) -> None:
+    """Raises ValueError (one line) when the model cannot be split over tensor_parallel_size ranks
+    on this host: more ranks than visible GPUs, or head or layer sizes that do not divide."""
+    size = config.tensor_parallel_size
+    device = resolve_device(config.device)
+    if device.type == "cuda" and size > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size: {size} ranks need {size} GPUs, {torch.cuda.device_count()} visible")
+    model = read_model_config(config.model)
+    if model.num_heads % size:
+        raise ValueError(f"tensor_parallel_size: {model.num_heads} attention heads do not divide over {size} ranks")
+    if model.num_kv_heads % size and size % model.num_kv_heads:
+        raise ValueError(f"tensor_parallel_size: {model.num_kv_heads} KV heads neither divide over {size} ranks "
+                         "nor replicate evenly")
+    if model.intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size: intermediate size {model.intermediate_size} does not divide "
+                         f"over {size} ranks")
+
+
+class TensorParallelCore:
+    """Rank 0 of a group, with WorkerCore's interface: Describe answers locally; InitCache, Step and
+    Release go to every rank first, then run here (the collectives inside keep the ranks in step)."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        check_tensor_parallel(config)
+        size = config.tensor_parallel_size
+        device = resolve_device(config.device, 0, size)
+        # Each rank takes an equal share of the cores (on GPUs the host threads matter little).
+        num_threads = max(1, torch.get_num_threads() // size) if device.type == "cpu" else torch.get_num_threads()
+        torch.set_num_threads(num_threads)
+        address = f"tcp://127.0.0.1:{_free_port()}"
+        context = multiprocessing.get_context("spawn")
+        self._pipes = []  # rank 0 keeps the write ends: its death closes them
+        self._followers: list[multiprocessing.process.BaseProcess] = []
+        for rank in range(1, size):
+            reader, writer = context.Pipe(duplex=False)
+            process = context.Process(
+                target=run_follower, name=f"nanovllm-tp-rank{rank}",
+                args=(rank, size, config, address, reader, logging.getLogger().getEffectiveLevel(), num_threads))
+            process.start()
+            reader.close()
+            self._pipes.append(writer)
+            self._followers.append(process)
+        self._closing = False
+        threading.Thread(target=self._exit_when_a_rank_dies, daemon=True, name="tp-watch").start()
+        # A process that exits without close() (an exception) would otherwise wait forever at exit
+        # for ranks that wait for its next message.
+        atexit.register(self._kill_followers)
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            init_tensor_parallel(0, size, address, device)
+            self.core = WorkerCore(config)
+        except BaseException:
+            self._kill_followers()
+            destroy_tensor_parallel()
+            raise
+        # Message order must be execution order: the server calls Release and Step from two threads.
+        self._lock = threading.Lock()
+        logger.info("tensor-parallel group of %d ranks ready (%s)", size, device.type)
+
+    @property
+    def config(self) -> WorkerConfig:
+        return self.core.config
+
+    @property
+    def runner(self):
+        return self.core.runner
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.core.eos_token_ids
+
+    def describe(self, request: worker_pb2.DescribeRequest | None = None) -> worker_pb2.DescribeResponse:
+        return self.core.describe(request)
+
+    def init_cache(self, request: worker_pb2.InitCacheRequest) -> worker_pb2.InitCacheResponse:
+        with self._lock:
+            step_channel.send(MessageKind.INIT_CACHE, request.SerializeToString())
+            return self.core.init_cache(request)
+
+    def release(self, request: worker_pb2.ReleaseRequest) -> worker_pb2.ReleaseResponse:
+        with self._lock:
+            step_channel.send(MessageKind.RELEASE, request.SerializeToString())
+            return self.core.release(request)
+
+    def launch(self, request: worker_pb2.StepRequest) -> PendingStep:
+        with self._lock:
+            step_channel.send(MessageKind.STEP, request.SerializeToString())
+            return self.core.launch(request)
+
+    def step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
+        return self.launch(request).result()
+
+    def close(self) -> None:
+        """Stops the other ranks and leaves the group."""
+        if self._closing:
+            return
+        with self._lock:
+            self._closing = True
+            step_channel.send(MessageKind.SHUTDOWN)
+        for process in self._followers:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+        for pipe in self._pipes:
+            pipe.close()
+        destroy_tensor_parallel()
+        atexit.unregister(self._kill_followers)
+
+    def _kill_followers(self) -> None:
+        self._closing = True
+        for process in self._followers:
+            if process.is_alive():
+                process.kill()
+
+    def _exit_when_a_rank_dies(self) -> None:
+        sentinels = {process.sentinel: process for process in self._followers}
+        ready = wait(list(sentinels))
+        if self._closing:
+            return
+        process = sentinels[ready[0]]  # type: ignore[index]
+        process.join()
+        # Rank 0 may be blocked in a collective that will never complete: leave at once, so that
+        # the server's socket closes and the scheduler recovers the requests elsewhere or later.
+        logger.error("tensor-parallel %s exited with code %s; the worker group goes down", process.name,
+                     process.exitcode)
+        for other in self._followers:
+            if other.is_alive():
+                other.kill()
+        os._exit(1)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
