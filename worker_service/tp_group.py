@@ -137,13 +137,20 @@ class TensorParallelCore:
         with self._lock:
             self._closing = True
             step_channel.send(MessageKind.SHUTDOWN)
+        # NCCL's communicator teardown is collective: every rank leaves the group at the same time,
+        # so rank 0 leaves before it waits for the others (waiting first hangs both). A rank that
+        # never leaves must not hang this process: the teardown gets a bounded wait.
+        leaving = threading.Thread(target=destroy_tensor_parallel, daemon=True, name="tp-leave")
+        leaving.start()
         for process in self._followers:
             process.join(timeout=30)
             if process.is_alive():
                 process.kill()
+        leaving.join(timeout=30)
+        if leaving.is_alive():
+            logger.warning("the tensor-parallel group did not shut down within 30 s; leaving it behind")
         for pipe in self._pipes:
             pipe.close()
-        destroy_tensor_parallel()
         atexit.unregister(self._kill_followers)
 
     def _kill_followers(self) -> None:
