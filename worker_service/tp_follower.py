@@ -38,6 +38,7 @@ def run_follower(rank: int, world_size: int, config: WorkerConfig, init_address:
     core = WorkerCore(config)
     logger.debug("rank %d ready", rank)
     _serve(core)
+    core.close()
     destroy_tensor_parallel()
 
 

@@ -137,6 +137,7 @@ class TensorParallelCore:
         with self._lock:
             self._closing = True
             step_channel.send(MessageKind.SHUTDOWN)
+        self.core.close()
         # NCCL's communicator teardown is collective: every rank leaves the group at the same time,
         # so rank 0 leaves before it waits for the others (waiting first hangs both). A rank that
         # never leaves must not hang this process: the teardown gets a bounded wait.

@@ -7,6 +7,7 @@ yet read back is taken from that step's device output.
 """
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -157,7 +158,13 @@ class WorkerCore:
         return worker_pb2.InitCacheResponse(num_kv_blocks=num_blocks)
 
     def close(self) -> None:
-        """Nothing to stop in a single-process worker (a tensor-parallel group stops its ranks)."""
+        """Frees the CUDA graphs and the KV cache. Before a tensor-parallel group is torn down this
+        is required: graphs that captured NCCL kernels keep the communicator busy, and its teardown
+        then never finishes (seen on the H200)."""
+        self.runner.release_cache()
+        gc.collect()
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize()
 
     def release(self, request: worker_pb2.ReleaseRequest) -> worker_pb2.ReleaseResponse:
         with self.lock:
