@@ -48,7 +48,9 @@ def is_fp8(dtype: torch.dtype) -> bool:
 def head_scales(x: torch.Tensor) -> torch.Tensor:
     """float32 scales [...] of head vectors x [..., head_dim]: max|x| / 448, or 1.0 where x is all 0."""
     amax = x.float().abs().amax(dim=-1)
-    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # A product, not a quotient: torch on CUDA divides by a scalar as a product with its reciprocal,
+    # so only the product is computed alike by torch (CPU and CUDA) and the Triton store kernels.
+    return torch.where(amax > 0, amax * (1.0 / FP8_MAX), torch.ones_like(amax))
 
 
 def quantize(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -58,9 +58,9 @@ def compute_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
 
 @triton.jit
 def fp8_head_scales(amax):
-    """Scales of head vectors whose largest magnitudes are amax: kv_quant.head_scales (correctly
-    rounded division, as torch's)."""
-    return tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX_VALUE), 1.0)
+    """Scales of head vectors whose largest magnitudes are amax: kv_quant.head_scales (the same
+    product with the reciprocal of 448, rounded alike everywhere)."""
+    return tl.where(amax > 0, amax * (1.0 / 448.0), 1.0)
 
 
 @triton.jit
