@@ -23,6 +23,8 @@ def add_worker_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cpu-kv-cache-gb", type=float, default=1.0, help="KV cache size on CPU")
     group.add_argument("--num-kv-blocks", type=int, default=0, help="override the KV block count")
     group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    group.add_argument("--cpu-weight-format", default="auto", choices=["auto", "float32", "int4"],
+                       help="GGUF on CPU: int4 keeps 4-bit weights quantized (faster), float32 dequantizes")
 
 
 def add_scheduler_options(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +53,8 @@ def worker_config_from(args: argparse.Namespace):
                         max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
                         cpu_kv_cache_bytes=int(args.cpu_kv_cache_gb * 2**30), num_kv_blocks=args.num_kv_blocks,
                         enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens)
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        cpu_weight_format=args.cpu_weight_format)
 
 
 def scheduler_config_from(args: argparse.Namespace):

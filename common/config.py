@@ -54,6 +54,9 @@ class WorkerConfig:
     # The scheduler never schedules more (it takes the smaller of its own limits and these).
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
+    # GGUF on the CPU: "int4" keeps 4-bit projections quantized (torch's int4 kernels, bfloat16
+    # activations), "float32" dequantizes all weights (token-exact with transformers); auto: int4 there.
+    cpu_weight_format: str = "auto"
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model", "must name a checkpoint folder or GGUF file")
@@ -69,6 +72,8 @@ class WorkerConfig:
         _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                  f"must be >= 1, got {self.max_num_batched_tokens}")
+        _require(self.cpu_weight_format in ("auto", "float32", "int4"), "cpu_weight_format",
+                 f"must be auto, float32 or int4, got {self.cpu_weight_format!r}")
 
 
 @dataclass(frozen=True)

@@ -3,14 +3,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from common.checkpoint import find_gguf_file
 from common.config import WorkerConfig
 from worker_service.attention import default_backend_name, get_attention_backend
 from worker_service.attention.base import AttentionMetadata
 from worker_service.batch import ModelInput
+from worker_service.cpu_quantization import resolve_cpu_weight_format
 from worker_service.cuda_graphs import DecodeGraphs
 from worker_service.decode_plan import DecodePlan, stack_outputs
 from worker_service.layers import fused_kernels
@@ -62,7 +65,10 @@ class ModelRunner:
         if backend_name == "auto":
             backend_name = default_backend_name(self.device)
         self.backend = get_attention_backend(backend_name)
-        self.model, self.model_config = load_checkpoint(config.model, self.dtype, self.device, self.backend)
+        self.weight_format = resolve_cpu_weight_format(config.cpu_weight_format, self.device.type,
+                                                       find_gguf_file(Path(config.model)) is not None)
+        self.model, self.model_config = load_checkpoint(config.model, self.dtype, self.device, self.backend,
+                                                        self.weight_format)
         self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
         self.sampler = Sampler(seed=config.seed)
         self.kv_spec = KVCacheSpec(self.model_config.num_layers, config.block_size,
