@@ -14,7 +14,7 @@ from torch import nn
 from worker_service.loader.gguf_int4 import GROUP_SIZE, Int4Groups
 
 # Steps of at most this many tokens use the quantized kernel; larger ones the wrapped float32 layer.
-MAX_QUANTIZED_TOKENS = 32
+MAX_QUANTIZED_TOKENS = 16
 
 
 class Int4Linear(nn.Module):
@@ -42,8 +42,12 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_quantized_tokens:
             return self.dense(x)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP_SIZE,
-                                                         self.scales_and_zeros).to(x.dtype)
+        # x = high + low, both bfloat16: 16 mantissa bits of the input instead of 8, in one call (the
+        # weights are read once for both halves, and reading them is the cost at these sizes)
+        high = x.to(torch.bfloat16)
+        both = torch.cat([high, (x - high.to(x.dtype)).to(torch.bfloat16)])
+        halves = torch.ops.aten._weight_int4pack_mm_for_cpu(both, self.packed, GROUP_SIZE, self.scales_and_zeros)
+        out = halves[: x.shape[0]].to(x.dtype) + halves[x.shape[0] :].to(x.dtype)
         bias = getattr(self.dense, "bias", None)
         return out if bias is None else out + bias
 
