@@ -31,6 +31,8 @@ def add_worker_options(parser: argparse.ArgumentParser) -> None:
                        help="auto: the model dtype; fp8: e4m3 with per-token scales, ~twice the tokens")
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="shard the model over the first N visible GPUs (N processes on CPU)")
+    group.add_argument("--cpu-weight-format", default="auto", choices=["auto", "float32", "int4"],
+                       help="GGUF on CPU: int4 keeps 4-bit weights quantized (faster), float32 dequantizes")
 
 
 def add_scheduler_options(parser: argparse.ArgumentParser) -> None:
@@ -105,7 +107,7 @@ def worker_config_from(args: argparse.Namespace):
                         cpu_kv_cache_bytes=int(args.cpu_kv_cache_gb * 2**30), num_kv_blocks=args.num_kv_blocks,
                         enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        tensor_parallel_size=args.tensor_parallel_size)
+                        tensor_parallel_size=args.tensor_parallel_size, cpu_weight_format=args.cpu_weight_format)
 
 
 def scheduler_config_from(args: argparse.Namespace):

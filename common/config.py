@@ -109,6 +109,9 @@ class WorkerConfig:
     max_num_batched_tokens: int = 16384
     # Ranks (processes) that share the model: the first N visible GPUs, or N CPU processes.
     tensor_parallel_size: int = 1
+    # GGUF on the CPU: "int4" keeps 4-bit projections quantized (torch's int4 kernels, bfloat16
+    # activations), "float32" dequantizes all weights (token-exact with transformers); auto: int4 there.
+    cpu_weight_format: str = "auto"
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model", "must name a checkpoint folder or GGUF file")
@@ -131,6 +134,9 @@ class WorkerConfig:
         _require(self.tensor_parallel_size == 1 or ":" not in self.device, "device",
                  f"{self.device} names one GPU; tensor parallelism takes the first tensor_parallel_size "
                  "visible GPUs (choose them with CUDA_VISIBLE_DEVICES)")
+
+        _require(self.cpu_weight_format in ("auto", "float32", "int4"), "cpu_weight_format",
+                 f"must be auto, float32 or int4, got {self.cpu_weight_format!r}")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,13 @@ NUM_NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
+    # float32: the dequantized weights, token-exact with transformers (the default on CPU is int4)
+    return LLM(default_model_path(), block_size=16, cpu_kv_cache_bytes=1 << 28, cpu_weight_format="float32")
+
+
+@pytest.fixture(scope="module")
+def default_llm() -> LLM:
+    """What `serve` runs on a CPU: the int4 projections (cpu_weight_format auto)."""
     return LLM(default_model_path(), block_size=16, cpu_kv_cache_bytes=1 << 28)
 
 
@@ -44,9 +51,10 @@ def test_greedy_chat_equals_transformers_on_the_gguf(llm: LLM, hf_model) -> None
     assert ours == hf_greedy_continuations(hf_model, prompts, NUM_NEW_TOKENS)
 
 
-def test_answers_the_capital_of_france(llm: LLM) -> None:
-    prompt = llm.tokenizer.apply_chat_template(CHATS[0])
-    result = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
+def test_answers_the_capital_of_france(default_llm: LLM) -> None:
+    assert default_llm.worker.runner.weight_format == "int4"
+    prompt = default_llm.tokenizer.apply_chat_template(CHATS[0])
+    result = default_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
     assert "Paris" in result["text"]
     assert result["finish_reason"] == "stop"  # ended on the model's EOS, <|im_end|>
 

@@ -3,15 +3,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from common.checkpoint import find_gguf_file
 from common.config import WorkerConfig
 from worker_service.attention import default_backend_name, get_attention_backend
 from worker_service.attention.base import AttentionMetadata
 from worker_service.attention.kv_quant import SCALE_DTYPE, is_fp8, kv_cache_torch_dtype
 from worker_service.batch import ModelInput
+from worker_service.cpu_quantization import resolve_cpu_weight_format
 from worker_service.cuda_graphs import DecodeGraphs
 from worker_service.decode_plan import DecodePlan, stack_outputs
 from worker_service.distributed import broadcast_from_first, min_over_ranks, tp_rank, tp_size
@@ -70,7 +73,11 @@ class ModelRunner:
         if backend_name == "auto":
             backend_name = default_backend_name(self.device)
         self.backend = get_attention_backend(backend_name)
-        self.model, self.model_config = load_checkpoint(config.model, self.dtype, self.device, self.backend)
+        self.weight_format = resolve_cpu_weight_format(config.cpu_weight_format, self.device.type,
+                                                       find_gguf_file(Path(config.model)) is not None,
+                                                       config.tensor_parallel_size)
+        self.model, self.model_config = load_checkpoint(config.model, self.dtype, self.device, self.backend,
+                                                        self.weight_format)
         self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
         self.sampler = Sampler(seed=config.seed)
         attention = self.model.attention_layers()[0]  # its head counts are this rank's

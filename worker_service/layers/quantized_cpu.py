@@ -1,0 +1,77 @@
+"""Weight-only quantized linears for the CPU, on torch's own kernels.
+
+Decode on a CPU reads every weight once per token, so its speed is the weight bytes over memory
+bandwidth: 4.5-bit weights read 7x less than float32. torch's `_weight_int4pack_mm_for_cpu` (group-wise
+int4) and `_weight_int8pack_mm` (per-row int8) are vectorised only for bfloat16 activations, so the
+input is rounded to bfloat16 and the product returned in the model's dtype. Large steps (prefill) are
+compute-bound, where the float32 GEMM of the layer being wrapped is faster: those keep using it.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker_service.loader.gguf_int4 import GROUP_SIZE, Int4Groups
+
+# Steps of at most this many tokens use the quantized kernel; larger ones the wrapped float32 layer.
+MAX_QUANTIZED_TOKENS = 16
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T + b with W held as group-wise int4 (the codes and constants of a GGUF Q4_0/Q4_1 weight).
+
+    `dense` is the float32 layer it replaces: it serves steps of more than max_quantized_tokens rows and
+    keeps the attributes callers read (split_sizes of the fused q/k/v projection).
+    """
+
+    def __init__(self, dense: nn.Module, groups: Int4Groups, max_quantized_tokens: int = MAX_QUANTIZED_TOKENS) -> None:
+        super().__init__()
+        rows, cols = groups.codes.shape
+        if cols % GROUP_SIZE:
+            raise ValueError(f"int4 weight needs a multiple of {GROUP_SIZE} inputs, got {cols}")
+        self.dense = dense
+        self.split_sizes = getattr(dense, "split_sizes", None)
+        self.max_quantized_tokens = max_quantized_tokens
+        codes = torch.from_numpy(groups.codes).to(torch.int32)
+        # innerKTiles is ignored by the CPU packing (it exists for the CUDA layout)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), persistent=False)
+        scales_and_zeros = torch.stack([torch.from_numpy(groups.scales).T, torch.from_numpy(groups.zeros).T], dim=-1)
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16).contiguous(), persistent=False)
+        self.output_size = rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.max_quantized_tokens:
+            return self.dense(x)
+        # x = high + low, both bfloat16: 16 mantissa bits of the input instead of 8, in one call (the
+        # weights are read once for both halves, and reading them is the cost at these sizes)
+        high = x.to(torch.bfloat16)
+        both = torch.cat([high, (x - high.to(x.dtype)).to(torch.bfloat16)])
+        halves = torch.ops.aten._weight_int4pack_mm_for_cpu(both, self.packed, GROUP_SIZE, self.scales_and_zeros)
+        out = halves[: x.shape[0]].to(x.dtype) + halves[x.shape[0] :].to(x.dtype)
+        bias = getattr(self.dense, "bias", None)
+        return out if bias is None else out + bias
+
+
+class Int8Head(nn.Module):
+    """The output head (often tied to the embedding) as per-row int8: 49152 x 576 reads 28 MB instead of 113.
+
+    Per-row symmetric quantization of the loaded float32 weight; the row scales are applied in float32
+    after the kernel (with unit scales inside it) so that bfloat16 only rounds the activations and the
+    kernel's output, never the scales.
+    """
+
+    def __init__(self, dense: nn.Module, max_quantized_tokens: int = MAX_QUANTIZED_TOKENS) -> None:
+        super().__init__()
+        weight = dense.weight.detach().float()
+        scales = weight.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+        self.dense = dense
+        self.max_quantized_tokens = max_quantized_tokens
+        self.register_buffer("codes", torch.round(weight / scales[:, None]).to(torch.int8), persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+        self.register_buffer("unit_scales", torch.ones_like(scales, dtype=torch.bfloat16), persistent=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[0] > self.max_quantized_tokens:
+            return self.dense(hidden)
+        out = torch.ops.aten._weight_int8pack_mm(hidden.to(torch.bfloat16), self.codes, self.unit_scales)
+        return out.to(hidden.dtype) * self.scales
