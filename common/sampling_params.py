@@ -27,7 +27,7 @@ MAX_SEED = 2**63
 # Temperatures below this sample as greedy: dividing by them can overflow float32 to inf and NaN.
 MIN_TEMPERATURE = 1e-5
 
-Validator = Callable[[Any], "str | None"]  # the problem with a value, None when it is valid
+Validator = Callable[[Any], str | None]  # the problem with a value, None when it is valid
 
 
 def _must(test: Callable[[Any], bool], limit: str) -> Validator:
@@ -129,13 +129,10 @@ class Param:
     history: bool
 
 
-def _row(f: Any) -> Param:
-    worker = f.metadata["worker"]
-    return Param(f.name, f.default, f.metadata["validator"], f.metadata["public"] or f.name,
-                 f.name if worker is True else worker or "", f.metadata["history"])
-
-
-PARAMS: tuple[Param, ...] = tuple(_row(f) for f in fields(SamplingParams))
+PARAMS: tuple[Param, ...] = tuple(
+    Param(f.name, f.default, f.metadata["validator"], f.metadata["public"] or f.name,
+          f.name if f.metadata["worker"] is True else f.metadata["worker"] or "", f.metadata["history"])
+    for f in fields(SamplingParams))
 WORKER_PARAMS: tuple[Param, ...] = tuple(p for p in PARAMS if p.worker)
 
 
