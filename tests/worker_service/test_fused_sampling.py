@@ -336,7 +336,7 @@ def test_other_batches_keep_the_torch_path(
     monkeypatch.setattr("worker_service.sampling.fused_sampling.gumbel_sample", fail)
     vocab_size = 50
     n = len(params)
-    batch = SamplingBatch.build(params, [[1, 2]] * n, [[3]] * n, [0] * n, vocab_size, DEVICE)
+    batch = SamplingBatch.build(SamplingRows(params, [[1, 2]] * n, [[3]] * n, [0] * n), vocab_size, DEVICE)
     assert batch.inv_temperatures is None
     assert batch.is_plain_temperature == all(p.is_greedy for p in params)
     logits = torch.randn(n, vocab_size, device=DEVICE)
@@ -357,7 +357,7 @@ def test_fused_path_can_be_turned_off_and_skips_float64(monkeypatch: pytest.Monk
 
 def test_fused_request_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    batch = SamplingBatch.build([P()], [None], [[]], [0], 20, "cpu")
+    batch = SamplingBatch.build(SamplingRows([P()], [None], [[]], [0]), 20, "cpu")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         Sampler(fused=True).sample(torch.zeros(1, 20), batch)
     assert Sampler().sample(torch.zeros(1, 20), batch).token_ids.shape == (1,)  # auto: the torch path on the CPU
