@@ -25,15 +25,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import grpc_options
 from common.generated.nanovllm.generate.v1 import generate_pb2, generate_pb2_grpc
+from common.sampling_params import PARAMS
 
 Message = Mapping[str, str] | tuple[str, str]  # {"role": ..., "content": ...} or (role, content)
 
 # GenerateRequest fields that generate() and stream() take as keyword arguments.
-SAMPLING_FIELDS = frozenset({
-    "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
-    "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "include_stop_in_output", "logprobs",
-    "top_logprobs",
-})
+SAMPLING_FIELDS = frozenset(p.public for p in PARAMS)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,21 @@
-"""Sampling and stopping parameters of one request, validated once at the edge."""
+"""Sampling and stopping parameters of one request: declared once, validated once at the edge.
+
+Each SamplingParams field is one row of the table `PARAMS`: its default, its validator, the
+GenerateRequest field and the worker's SamplingParams field it travels in (the same name unless
+said). Validation, the public request conversion, the Step message conversion both ways and the
+client's keyword arguments all read that table. A new parameter is one field here, its fields in
+the two .proto files, and its use on the worker (worker_service/sampling/sampling_state.py lays it
+out for the batch, worker_service/sampling/sampler.py applies it).
+"""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from functools import cached_property
+from typing import Any
+
+from google.protobuf.message import Message
 
 from common.generated.nanovllm.worker.v1 import worker_pb2
 from common.quoting import quote
@@ -10,108 +23,138 @@ from common.quoting import quote
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_TOP_LOGPROBS = 20
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+MAX_SEED = 2**63
+# Temperatures below this sample as greedy: dividing by them can overflow float32 to inf and NaN.
+MIN_TEMPERATURE = 1e-5
+
+Validator = Callable[[Any], str | None]  # the problem with a value, None when it is valid
+
+
+def _must(test: Callable[[Any], bool], limit: str) -> Validator:
+    def problem(value: Any) -> str | None:
+        try:
+            valid = test(value)
+        except TypeError:  # a value of the wrong type (None, a string) is invalid, not a crash
+            valid = False
+        return None if valid else f"must be {limit}, got {quote(value)}"
+    return problem
+
+
+def _stop_problem(stop: tuple) -> str | None:
+    if len(stop) > MAX_STOP_STRINGS:
+        return f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}"
+    for text in stop:
+        if not (isinstance(text, str) and 0 < len(text) <= MAX_STOP_STRING_CHARS):
+            return f"each stop string must have 1..{MAX_STOP_STRING_CHARS} characters, got {quote(text)}"
+    return None
+
+
+def _param(default: Any, validator: Validator | None = None, *, public: str = "", worker: str | bool = True,
+           history: bool = False) -> Any:
+    """A SamplingParams field and its row of the table. `public` / `worker`: the proto field names
+    when they differ from the field's (worker=False: the worker never needs it); `history`: a value
+    other than the default needs the sequence's earlier tokens on the worker."""
+    return field(default=default, metadata={"validator": validator, "public": public, "worker": worker,
+                                            "history": history})
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample and when to stop. Invalid values raise ValueError naming the field."""
 
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = -1  # -1 = all tokens
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: int | None = None
-    max_tokens: int = 16
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    include_stop_in_output: bool = False
-    logprobs: bool = False
-    num_top_logprobs: int = 0
+    temperature: float = _param(1.0, _must(lambda v: v >= 0, ">= 0"))  # 0 = greedy
+    top_k: int = _param(-1, _must(lambda v: v == -1 or v >= 1, "-1 (all) or >= 1"))
+    top_p: float = _param(1.0, _must(lambda v: 0 < v <= 1, "in (0, 1]"))
+    min_p: float = _param(0.0, _must(lambda v: 0 <= v <= 1, "in [0, 1]"))
+    # HF semantics, over prompt and output tokens.
+    repetition_penalty: float = _param(1.0, _must(lambda v: v > 0, "> 0"), history=True)
+    # OpenAI semantics, over output tokens.
+    frequency_penalty: float = _param(0.0, _must(lambda v: -2 <= v <= 2, "in [-2, 2]"), history=True)
+    presence_penalty: float = _param(0.0, _must(lambda v: -2 <= v <= 2, "in [-2, 2]"), history=True)
+    seed: int | None = _param(None, _must(lambda v: v is None or 0 <= v < MAX_SEED, "in [0, 2^63)"))
+    max_tokens: int = _param(16, _must(lambda v: v >= 1, ">= 1"), worker=False)
+    stop: tuple[str, ...] = _param((), _stop_problem, worker=False)
+    stop_token_ids: tuple[int, ...] = _param(
+        (), _must(lambda v: all(isinstance(t, int) and t >= 0 for t in v), "token ids >= 0"), worker=False)
+    ignore_eos: bool = _param(False, worker=False)
+    include_stop_in_output: bool = _param(False, worker=False)
+    logprobs: bool = _param(False, worker="return_logprobs")
+    num_top_logprobs: int = _param(0, _must(lambda v: 0 <= v <= MAX_TOP_LOGPROBS, f"in [0, {MAX_TOP_LOGPROBS}]"),
+                                   public="top_logprobs")
 
     def __post_init__(self) -> None:
-        # Accept lists for convenience; store tuples so the object stays hashable and frozen.
-        object.__setattr__(self, "stop", _as_tuple(self.stop, "stop"))
-        object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids"))
-        self._validate()
+        for param in PARAMS:
+            value = getattr(self, param.name)
+            if isinstance(param.default, tuple):
+                # Accept lists for convenience; store tuples so the object stays hashable and frozen.
+                value = _as_tuple(value, param.name)
+                object.__setattr__(self, param.name, value)
+            # NaN fails every range test but infinity passes some (temperature >= 0): refuse both.
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{param.name}: must be a finite number, got {quote(value)}")
+            problem = param.validator(value) if param.validator else None
+            if problem:
+                raise ValueError(f"{param.name}: {problem}")
 
-    def _validate(self) -> None:
-        # NaN fails every comparison below but infinity passes some (temperature >= 0): refuse both.
-        for name in _FLOAT_FIELDS:
-            value = getattr(self, name)
-            _check(isinstance(value, int | float) and math.isfinite(value), name,
-                   f"must be a finite number, got {quote(value)}")
-        _check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
-        _check(self.top_k == -1 or self.top_k >= 1, "top_k", f"must be -1 (all) or >= 1, got {self.top_k}")
-        _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
-        _check(self.repetition_penalty > 0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
-        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty",
-               f"must be in [-2, 2], got {self.frequency_penalty}")
-        _check(-2 <= self.presence_penalty <= 2, "presence_penalty",
-               f"must be in [-2, 2], got {self.presence_penalty}")
-        _check(self.seed is None or 0 <= self.seed < 2**63, "seed", f"must be in [0, 2^63), got {self.seed}")
-        _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
-        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop",
-               f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
-        for text in self.stop:
-            _check(isinstance(text, str) and 0 < len(text) <= MAX_STOP_STRING_CHARS, "stop",
-                   f"each stop string must have 1..{MAX_STOP_STRING_CHARS} characters, got {quote(text)}")
-        for token_id in self.stop_token_ids:
-            _check(isinstance(token_id, int) and token_id >= 0, "stop_token_ids", f"must be >= 0, got {token_id}")
-        _check(0 <= self.num_top_logprobs <= MAX_TOP_LOGPROBS, "num_top_logprobs",
-               f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.num_top_logprobs}")
-
-    @property
+    # Cached: the worker reads these several times per row at every step.
+    @cached_property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
+
+    @cached_property
+    def needs_token_history(self) -> bool:
+        """Penalties look at earlier tokens, so the worker needs each token on the host."""
+        return any(getattr(self, p.name) != p.default for p in PARAMS if p.history)
 
     def to_proto(self) -> worker_pb2.SamplingParams:
         """The worker's view: only what sampling needs; neutral values are left unset."""
-        msg = worker_pb2.SamplingParams(temperature=self.temperature)
-        if self.top_k != -1:
-            msg.top_k = self.top_k
-        if self.top_p != 1.0:
-            msg.top_p = self.top_p
-        if self.min_p != 0.0:
-            msg.min_p = self.min_p
-        if self.repetition_penalty != 1.0:
-            msg.repetition_penalty = self.repetition_penalty
-        if self.frequency_penalty != 0.0:
-            msg.frequency_penalty = self.frequency_penalty
-        if self.presence_penalty != 0.0:
-            msg.presence_penalty = self.presence_penalty
-        if self.seed is not None:
-            msg.seed = self.seed
-        if self.logprobs:
-            msg.return_logprobs = True
-            msg.num_top_logprobs = self.num_top_logprobs
-        return msg
+        return worker_pb2.SamplingParams(**{p.worker: getattr(self, p.name) for p in WORKER_PARAMS
+                                            if getattr(self, p.name) != p.default})
 
-    @property
-    def needs_token_history(self) -> bool:
-        """Penalties look at earlier tokens, so the worker needs each token on the host."""
-        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+    @classmethod
+    def from_proto(cls, message: worker_pb2.SamplingParams) -> SamplingParams:
+        """The inverse of to_proto: unset fields take the defaults."""
+        return cls(**values_of(message, WORKER_PARAMS, lambda p: p.worker))
+
+
+@dataclass(frozen=True)
+class Param:
+    """One row of the table: a SamplingParams field and the proto fields it travels in."""
+
+    name: str
+    default: Any
+    validator: Validator | None
+    public: str  # the GenerateRequest field
+    worker: str  # the worker_pb2.SamplingParams field; "" when the worker does not need it
+    history: bool
+
+
+PARAMS: tuple[Param, ...] = tuple(
+    Param(f.name, f.default, f.metadata["validator"], f.metadata["public"] or f.name,
+          f.name if f.metadata["worker"] is True else f.metadata["worker"] or "", f.metadata["history"])
+    for f in fields(SamplingParams))
+WORKER_PARAMS: tuple[Param, ...] = tuple(p for p in PARAMS if p.worker)
+
+
+def values_of(message: Message, params: tuple[Param, ...], name_of: Callable[[Param], str]) -> dict[str, Any]:
+    """The parameters a protobuf message sets, by SamplingParams field name: fields with presence
+    when set, other fields (repeated, plain bool) always; repeated fields as tuples."""
+    values: dict[str, Any] = {}
+    for param in params:
+        name = name_of(param)
+        if message.DESCRIPTOR.fields_by_name[name].has_presence and not message.HasField(name):
+            continue
+        value = getattr(message, name)
+        values[param.name] = value if isinstance(value, bool | int | float | str) else tuple(value)
+    return values
 
 
 def _as_tuple(value: object, name: str) -> tuple:
     if isinstance(value, str):
-        return (value,) if name == "stop" else _fail(name, "must be a list")
+        if name == "stop":
+            return (value,)
+        raise ValueError(f"{name}: must be a list")
     try:
         return tuple(value)  # type: ignore[arg-type]
     except TypeError:
-        _fail(name, f"must be a list, got {type(value).__name__}")
-    return ()
-
-
-def _check(condition: bool, name: str, message: str) -> None:
-    if not condition:
-        _fail(name, message)
-
-
-def _fail(name: str, message: str) -> tuple:
-    raise ValueError(f"{name}: {message}")
+        raise ValueError(f"{name}: must be a list, got {type(value).__name__}") from None

@@ -8,14 +8,14 @@ that name a public field the engine does not know (token_ids, chat, top_logprobs
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 from jinja2.exceptions import TemplateError
 
 from common.generated.nanovllm.generate.v1 import generate_pb2
 from common.quoting import quote
-from common.sampling_params import SamplingParams
+from common.sampling_params import PARAMS, SamplingParams, values_of
 from scheduler_service.async_engine import ModelInfo
 from scheduler_service.errors import RequestError
 
@@ -23,12 +23,9 @@ if TYPE_CHECKING:
     from scheduler_service.tokenizer import Tokenizer
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-# Optional request fields that map one to one onto SamplingParams fields of the same name.
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
-_INT_FIELDS = ("top_k", "seed")
 MAX_REQUEST_ID_BYTES = 256
-# SamplingParams fields whose public name differs, for error messages.
-_PARAM_TO_PUBLIC_FIELD = {"num_top_logprobs": "top_logprobs"}
+# For error messages: SamplingParams names the field by its own name.
+_PARAM_TO_PUBLIC_FIELD = {p.name: p.public for p in PARAMS}
 
 
 def request_id_of(request: generate_pb2.GenerateRequest) -> str:
@@ -103,29 +100,16 @@ def sampling_params(request: generate_pb2.GenerateRequest, num_prompt_tokens: in
                     model_info: ModelInfo) -> SamplingParams:
     """SamplingParams from the request; unset fields take SamplingParams' defaults, except
     max_tokens, which defaults to the room the context leaves after the prompt."""
-    kwargs: dict[str, Any] = {name: _float32_value(getattr(request, name))
-                              for name in _FLOAT_FIELDS if request.HasField(name)}
-    kwargs.update({name: getattr(request, name) for name in _INT_FIELDS if request.HasField(name)})
+    values = {name: _float32_value(value) if isinstance(value, float) else value
+              for name, value in values_of(request, PARAMS, lambda p: p.public).items()}
     room = model_info.max_model_len - num_prompt_tokens
-    if request.HasField("max_tokens"):
-        if request.max_tokens > room:
-            raise RequestError(f"max_tokens: {request.max_tokens} + {num_prompt_tokens} prompt tokens exceed "
-                               f"max_model_len {model_info.max_model_len} (at most {room})")
-        kwargs["max_tokens"] = request.max_tokens
-    else:
-        kwargs["max_tokens"] = room
+    if values.setdefault("max_tokens", room) > room:
+        raise RequestError(f"max_tokens: {request.max_tokens} + {num_prompt_tokens} prompt tokens exceed "
+                           f"max_model_len {model_info.max_model_len} (at most {room})")
     check_vocabulary(list(request.stop_token_ids), "stop_token_ids", model_info.vocab_size)
-    num_top_logprobs = request.top_logprobs if request.HasField("top_logprobs") else 0
+    values["logprobs"] = values["logprobs"] or values.get("num_top_logprobs", 0) > 0  # top_logprobs implies it
     try:
-        return SamplingParams(
-            **kwargs,
-            stop=tuple(request.stop),
-            stop_token_ids=tuple(request.stop_token_ids),
-            ignore_eos=request.ignore_eos,
-            include_stop_in_output=request.include_stop_in_output,
-            logprobs=request.logprobs or num_top_logprobs > 0,
-            num_top_logprobs=num_top_logprobs,
-        )
+        return SamplingParams(**values)
     except ValueError as exc:
         raise RequestError(_public_message(str(exc))) from exc
 

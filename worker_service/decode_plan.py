@@ -9,8 +9,8 @@ import torch
 
 from worker_service.attention.base import AttentionMetadata
 from worker_service.batch import ModelInput
-from worker_service.sampler import SamplerOutput
-from worker_service.sampling_state import host_to_device
+from worker_service.sampling.sampler import SamplerOutput
+from worker_service.sampling.sampling_state import host_to_device
 
 
 @dataclass

@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.generated.nanovllm.worker.v1 import worker_pb2
-from common.sampling_params import MAX_TOP_LOGPROBS
+from common.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from worker_service.batch import ScheduledChunk, build_model_input
 from worker_service.sequence_state import WorkerSequence
 
@@ -17,14 +16,14 @@ if TYPE_CHECKING:
     from worker_service.model_runner import ModelRunner
 
 # Filtering by sort, top log-probabilities: the sampler's largest [rows, vocab] intermediates.
-HEAVIEST_SAMPLING = worker_pb2.SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05,
-                                              return_logprobs=True, num_top_logprobs=MAX_TOP_LOGPROBS)
+HEAVIEST_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, logprobs=True,
+                                   num_top_logprobs=MAX_TOP_LOGPROBS)
 # Temperature alone: the fused sampling kernel on CUDA.
-PLAIN_SAMPLING = worker_pb2.SamplingParams(temperature=1.0)
+PLAIN_SAMPLING = SamplingParams(temperature=1.0)
 
 
 def warmup_chunks(num_tokens: int, num_seqs: int, block_size: int,
-                  sampling: worker_pb2.SamplingParams = PLAIN_SAMPLING) -> list[ScheduledChunk]:
+                  sampling: SamplingParams = PLAIN_SAMPLING) -> list[ScheduledChunk]:
     """num_seqs prompts sharing num_tokens, each on its own consecutive blocks."""
     num_seqs = max(1, min(num_seqs, num_tokens))
     lengths = [num_tokens // num_seqs + (1 if i < num_tokens % num_seqs else 0) for i in range(num_seqs)]

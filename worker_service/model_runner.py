@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +21,9 @@ from worker_service.distributed import broadcast_from_first, min_over_ranks, tp_
 from worker_service.layers import fused_kernels
 from worker_service.memory_profile import profile_peak_memory
 from worker_service.model_loading import load_checkpoint
-from worker_service.sampler import Sampler, SamplerOutput, SamplingBatch
-from worker_service.sampling_inputs import sampling_batch_inputs
-from worker_service.sampling_state import host_to_device
+from worker_service.sampling.sampler import Sampler, SamplerOutput
+from worker_service.sampling.sampling_inputs import SamplingRows
+from worker_service.sampling.sampling_state import SamplingBatch, host_to_device
 
 logger = logging.getLogger(__name__)
 
@@ -166,8 +166,7 @@ class ModelRunner:
         logits = self.forward_logits(model_input)
         if logits is None:
             return None
-        batch = SamplingBatch.build(**sampling_batch_inputs(model_input.sampled_chunks),
-                                    vocab_size=self.vocab_size, device=self.device)
+        batch = SamplingBatch.build(SamplingRows.of_chunks(model_input.sampled_chunks), self.vocab_size, self.device)
         return self._sample(logits, batch)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
@@ -200,12 +199,12 @@ class ModelRunner:
         """num_steps decode iterations of a decode-only batch, each feeding the tokens the previous
         one sampled, without the host in between. Outputs are [num_seqs, num_steps]."""
         chunks = model_input.sampled_chunks
-        inputs = sampling_batch_inputs(chunks)
+        rows = SamplingRows.of_chunks(chunks)
         plan = DecodePlan.build(model_input, num_steps, self.config.block_size, self.device)
         metadata = model_input.metadata
         logits = self.forward_logits(model_input)
         outputs: list[SamplerOutput] = []
-        any_seeded = any(p.seed is not None for p in inputs["params"])
+        any_seeded = any(p.seed is not None for p in rows.params)
         for index in range(num_steps):
             if index > 0:
                 plan.advance(metadata, index)
@@ -213,8 +212,8 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden)
             if index == 0 or any_seeded:
                 # Seeded rows draw from (seed, output index): the index moves every iteration.
-                step_inputs = dict(inputs, output_index=[i + index for i in inputs["output_index"]])
-                batch = SamplingBatch.build(**step_inputs, vocab_size=self.vocab_size, device=self.device)
+                step_rows = replace(rows, output_index=[i + index for i in rows.output_index])
+                batch = SamplingBatch.build(step_rows, self.vocab_size, self.device)
             outputs.append(self._sample(logits, batch))
         return stack_outputs(outputs)
 

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.generated.nanovllm.worker.v1 import worker_pb2
+from common.sampling_params import SamplingParams
 
 
 @dataclass
@@ -14,23 +15,19 @@ class WorkerSequence:
     num_computed_tokens: int  # tokens whose K/V are in the cache
     num_tokens: int  # tokens the sequence holds, as far as this worker knows
     num_prompt_tokens: int
-    sampling: worker_pb2.SamplingParams
+    sampling: SamplingParams
     last_token: int | None = None  # sampled by this worker, not computed yet
     # While the step that sampled last_token has not been read back: (that step, its row). The next
     # decode step takes the token from that step's device tensor, without waiting for it.
     pending: tuple[Any, int] | None = None
     # Every token of the sequence, kept only when a penalty needs the history.
     token_ids: list[int] | None = None
-    # The sampler's view of `sampling`, converted once on first use.
-    sampling_params: Any = None
 
     @classmethod
     def from_message(cls, message: worker_pb2.NewSequence) -> WorkerSequence:
-        sampling = message.sampling
-        needs_history = any(sampling.HasField(name) for name in
-                            ("repetition_penalty", "frequency_penalty", "presence_penalty"))
+        sampling = SamplingParams.from_proto(message.sampling)
         history = None
-        if needs_history:
+        if sampling.needs_token_history:
             history = list(message.cached_token_ids)
             if len(history) != message.num_computed_tokens:
                 raise ValueError(f"sequence {message.seq_id}: a penalty needs cached_token_ids for all "

@@ -18,7 +18,7 @@ from common.gc_pauses import freeze_startup_objects
 from common.generated.nanovllm.worker.v1 import worker_pb2
 from worker_service.batch import ScheduledChunk, apply_step, build_model_input
 from worker_service.model_runner import ModelRunner
-from worker_service.sampler import SamplerOutput
+from worker_service.sampling.sampler import SamplerOutput
 from worker_service.sequence_state import WorkerSequence
 
 
@@ -96,7 +96,7 @@ def _record_samples(step: PendingStep, output: SamplerOutput, response: worker_p
         num_top = state.sampling.num_top_logprobs
         for index, token_id in enumerate(row_tokens):
             sampled = response.tokens.add(seq_id=state.seq_id, token_id=token_id)
-            if state.sampling.return_logprobs and logprobs is not None:
+            if state.sampling.logprobs and logprobs is not None:
                 sampled.logprob = logprobs[row][index]
                 if num_top and top_ids is not None and top_values is not None:
                     for token, value in zip(top_ids[row][index][:num_top], top_values[row][index][:num_top],

@@ -46,8 +46,8 @@ def variants() -> list[Variant]:
     from worker_service.attention.triton_prefill import _prefill_kernel
     from worker_service.attention.triton_rope_store import _rope_store_kernel
     from worker_service.attention.triton_store_kv import _store_kv_kernel
-    from worker_service.fused_sampling import _gumbel_chunk_kernel, _reduce_chunks_kernel
     from worker_service.layers.triton_activation import _silu_and_mul_kernel
+    from worker_service.sampling.fused_sampling import _gumbel_chunk_kernel, _reduce_chunks_kernel
 
     cache = dict(BLOCK_SIZE=256, HEAD_DIM=128)
     tables = {"block_tables_ptr": "i32", "seq_lens_ptr": "i32"}

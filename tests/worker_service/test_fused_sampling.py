@@ -1,4 +1,4 @@
-"""The fused Gumbel-max sampling kernel (worker_service.fused_sampling) and the sampler's use of it.
+"""The fused Gumbel-max sampling kernel (worker_service.sampling.fused_sampling) and the sampler's use of it.
 
 Runs on a CUDA device. Without one the module is skipped before Triton is imported, unless
 TRITON_INTERPRET=1 is set: then it runs on the CPU through Triton's interpreter at small sizes
@@ -25,7 +25,8 @@ skip_module_unless_kernels_run()
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from worker_service.fused_sampling import (  # noqa: E402
+from common.sampling_params import SamplingParams  # noqa: E402
+from worker_service.sampling.fused_sampling import (  # noqa: E402
     BLOCK,
     REDUCE_BLOCK,
     _gumbel_log2,
@@ -33,12 +34,14 @@ from worker_service.fused_sampling import (  # noqa: E402
     default_num_chunks,
     gumbel_sample,
 )
-from worker_service.sampler import Sampler, SamplingBatch, SequenceSamplingParams  # noqa: E402
+from worker_service.sampling.sampler import Sampler  # noqa: E402
+from worker_service.sampling.sampling_inputs import SamplingRows  # noqa: E402
+from worker_service.sampling.sampling_state import SamplingBatch  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 FAST_LOG = [False] if INTERPRET else [False, True]  # the kernel uses lg2.approx on CUDA
-P = SequenceSamplingParams
+P = SamplingParams
 LOG2E = 1.4426950408889634
 # A small vocabulary with no tiny probability at T = 0.7 (the smallest is 0.06), so that a 10% error
 # in any of them moves its count by 10 standard deviations at 2^18 draws.
@@ -51,9 +54,9 @@ def small(gpu: int, interpret: int) -> int:
     return interpret if INTERPRET else gpu
 
 
-def build(params: list[SequenceSamplingParams], vocab_size: int) -> SamplingBatch:
+def build(params: list[SamplingParams], vocab_size: int) -> SamplingBatch:
     n = len(params)
-    return SamplingBatch.build(params, [None] * n, [[] for _ in range(n)], [0] * n, vocab_size, DEVICE)
+    return SamplingBatch.build(SamplingRows(params, [None] * n, [[] for _ in range(n)], [0] * n), vocab_size, DEVICE)
 
 
 # --- frequency checks ---------------------------------------------------------------------------
@@ -318,22 +321,22 @@ def test_sampler_takes_the_fused_path_for_plain_temperature() -> None:
     [P(top_p=0.9), P()],
     [P(min_p=0.1), P()],
     [P(seed=3), P()],
-    [P(return_logprobs=True), P()],
-    [P(temperature=0.0, return_logprobs=True), P()],
+    [P(logprobs=True), P()],
+    [P(temperature=0.0, logprobs=True), P()],
     [P(temperature=0.0, repetition_penalty=1.2), P()],
     [P(frequency_penalty=0.5), P()],
     [P(temperature=0.0), P(temperature=0.0)],  # all greedy: one argmax
 ], ids=["top_k", "top_p", "min_p", "seed", "logprobs", "greedy_logprobs", "repetition", "frequency", "all_greedy"])
 def test_other_batches_keep_the_torch_path(
-    params: list[SequenceSamplingParams], monkeypatch: pytest.MonkeyPatch
+    params: list[SamplingParams], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def fail(*args: object, **kwargs: object) -> torch.Tensor:
         raise AssertionError("took the fused path")
 
-    monkeypatch.setattr("worker_service.fused_sampling.gumbel_sample", fail)
+    monkeypatch.setattr("worker_service.sampling.fused_sampling.gumbel_sample", fail)
     vocab_size = 50
     n = len(params)
-    batch = SamplingBatch.build(params, [[1, 2]] * n, [[3]] * n, [0] * n, vocab_size, DEVICE)
+    batch = SamplingBatch.build(SamplingRows(params, [[1, 2]] * n, [[3]] * n, [0] * n), vocab_size, DEVICE)
     assert batch.inv_temperatures is None
     assert batch.is_plain_temperature == all(p.is_greedy for p in params)
     logits = torch.randn(n, vocab_size, device=DEVICE)
@@ -343,7 +346,8 @@ def test_other_batches_keep_the_torch_path(
 
 def test_fused_path_can_be_turned_off_and_skips_float64(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
-    monkeypatch.setattr("worker_service.fused_sampling.gumbel_sample", lambda logits, inv, seed: calls.append(seed))
+    monkeypatch.setattr("worker_service.sampling.fused_sampling.gumbel_sample",
+                        lambda logits, inv, seed: calls.append(seed))
     batch = build([P(), P(temperature=0.5)], 20)
     logits = torch.randn(2, 20, device=DEVICE)
     Sampler(fused=False).sample(logits, batch)
@@ -353,7 +357,7 @@ def test_fused_path_can_be_turned_off_and_skips_float64(monkeypatch: pytest.Monk
 
 def test_fused_request_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    batch = SamplingBatch.build([P()], [None], [[]], [0], 20, "cpu")
+    batch = SamplingBatch.build(SamplingRows([P()], [None], [[]], [0]), 20, "cpu")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         Sampler(fused=True).sample(torch.zeros(1, 20), batch)
     assert Sampler().sample(torch.zeros(1, 20), batch).token_ids.shape == (1,)  # auto: the torch path on the CPU

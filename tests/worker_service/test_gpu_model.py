@@ -12,7 +12,6 @@ import torch
 
 from common import SamplingParams
 from common.config import WorkerConfig
-from common.generated.nanovllm.worker.v1 import worker_pb2
 from tests.tiny_models import hf_greedy_generate, make_tiny_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -70,7 +69,7 @@ def teacher_forced_logits(checkpoint: Path, tokens: list[int], prompt_len: int) 
     random.Random(0).shuffle(blocks)
     blocks = blocks[:-(-len(tokens) // 16)]
     state = WorkerSequence(seq_id=1, block_table=blocks, num_computed_tokens=0, num_tokens=prompt_len,
-                           num_prompt_tokens=prompt_len, sampling=worker_pb2.SamplingParams())
+                           num_prompt_tokens=prompt_len, sampling=SamplingParams())
     half = prompt_len // 2
     runner.forward_logits(build_model_input([ScheduledChunk(state, tokens[:half], samples=False)], 16))
     state.num_computed_tokens = half

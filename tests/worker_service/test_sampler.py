@@ -14,18 +14,14 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from worker_service.sampler import (
-    Sampler,
-    SamplingBatch,
-    SequenceSamplingParams,
-    apply_penalties,
-    generator_seed,
-    seeded_exponential_noise,
-)
+from common.sampling_params import SamplingParams
+from worker_service.sampling.sampler import Sampler, apply_penalties, seeded_exponential_noise
+from worker_service.sampling.sampling_inputs import SamplingRows
+from worker_service.sampling.sampling_state import SamplingBatch, generator_seed
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
-P = SequenceSamplingParams
+P = SamplingParams
 
 
 @pytest.fixture(params=DEVICES)
@@ -36,7 +32,7 @@ def device(request: pytest.FixtureRequest) -> torch.device:
 
 
 def build(
-    params: Sequence[SequenceSamplingParams],
+    params: Sequence[SamplingParams],
     vocab_size: int,
     device: torch.device,
     prompts: Sequence[Sequence[int] | None] | None = None,
@@ -44,17 +40,15 @@ def build(
     output_index: Sequence[int] | None = None,
 ) -> SamplingBatch:
     n = len(params)
-    return SamplingBatch.build(
+    return SamplingBatch.build(SamplingRows(
         params,
         prompts if prompts is not None else [None] * n,
         outputs if outputs is not None else [[] for _ in range(n)],
         output_index if output_index is not None else [0] * n,
-        vocab_size,
-        device,
-    )
+    ), vocab_size, device)
 
 
-def hf_filtered(logits_row: torch.Tensor, p: SequenceSamplingParams) -> torch.Tensor:
+def hf_filtered(logits_row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """The row's logits after HF's warpers in generate's order, with the batch's parameters."""
     scores = logits_row[None].clone()
     ids = torch.zeros(1, 1, dtype=torch.int64, device=scores.device)
@@ -191,7 +185,7 @@ def test_filters_allowed_set_and_distribution(group: str, device: torch.device) 
         assert chi2 < dof + 6 * math.sqrt(2 * dof), f"{p}: chi-square {chi2:.1f} for {dof} degrees of freedom"
 
 
-def _assert_not_near_top_p_boundary(scaled_logits: torch.Tensor, p: SequenceSamplingParams) -> None:
+def _assert_not_near_top_p_boundary(scaled_logits: torch.Tensor, p: SamplingParams) -> None:
     """Guards the test itself: a float tie at the top-p cut would make the allowed set ambiguous."""
     if p.top_p >= 1.0:
         return
@@ -268,10 +262,10 @@ def test_logprobs_are_raw_and_top_logprobs_sorted(device: torch.device) -> None:
     vocab_size = 300
     logits = torch.randn(5, vocab_size, device=device) * 2
     params = [
-        P(temperature=0.0, return_logprobs=True, repetition_penalty=1.5),
-        P(temperature=0.7, top_k=20, return_logprobs=True, num_top_logprobs=3),
-        P(temperature=1.2, frequency_penalty=1.0, return_logprobs=True, num_top_logprobs=5),
-        P(num_top_logprobs=8),  # top logprobs without return_logprobs: not asked for
+        P(temperature=0.0, logprobs=True, repetition_penalty=1.5),
+        P(temperature=0.7, top_k=20, logprobs=True, num_top_logprobs=3),
+        P(temperature=1.2, frequency_penalty=1.0, logprobs=True, num_top_logprobs=5),
+        P(num_top_logprobs=8),  # top logprobs without logprobs: not asked for
         P(temperature=0.0),
     ]
     batch = build(params, vocab_size, device, [[1, 2, 3]] * 5, [[4, 4, 2]] * 5)
@@ -290,7 +284,7 @@ def test_bf16_logits_are_left_untouched(device: torch.device) -> None:
     torch.manual_seed(6)
     logits = torch.randn(3, 100, device=device).to(torch.bfloat16)
     before = logits.clone()
-    params = [P(return_logprobs=True, num_top_logprobs=2, top_p=0.5), P(temperature=0.0), P(presence_penalty=1.0)]
+    params = [P(logprobs=True, num_top_logprobs=2, top_p=0.5), P(temperature=0.0), P(presence_penalty=1.0)]
     out = Sampler().sample(logits, build(params, 100, device, outputs=[[1], [2], [3]]))
     assert torch.equal(logits, before)
     assert out.logprobs.dtype == torch.float32
@@ -334,7 +328,7 @@ def test_cuda_step_has_no_host_sync() -> None:
     params = [
         P(temperature=0.0, repetition_penalty=1.1),
         P(top_k=5, seed=3),
-        P(top_p=0.9, frequency_penalty=0.5, presence_penalty=0.5, return_logprobs=True, num_top_logprobs=4),
+        P(top_p=0.9, frequency_penalty=0.5, presence_penalty=0.5, logprobs=True, num_top_logprobs=4),
         P(min_p=0.1),
         P(top_k=50, top_p=0.7, min_p=0.01, seed=9),
         P(),

@@ -1,4 +1,4 @@
-"""Per-sequence sampling parameters and the per-step batch of them, laid out as device tensors.
+"""The sampling parameters of one step's batch, laid out as device tensors.
 
 `SamplingBatch.build` runs once per step on the host. It looks at the whole batch first so that the
 sampler can skip every stage nobody asked for (all greedy: argmax only; no penalties: no [B, V]
@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from common.sampling_params import SamplingParams
+from worker_service.sampling.sampling_inputs import SamplingRows
 
 # Odd 64-bit constants (from splitmix64) used to mix (seed, output_index) into one generator seed.
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15
@@ -21,59 +24,7 @@ _MIX_1 = 0xBF58476D1CE4E5B9
 _MIX_2 = 0x94D049BB133111EB
 _MASK_64 = (1 << 64) - 1
 _MASK_63 = (1 << 63) - 1
-# Temperatures below this sample as greedy: dividing by them can overflow float32 to inf and NaN.
-MIN_TEMPERATURE = 1e-5
-
-
-@dataclass(frozen=True)
-class SequenceSamplingParams:
-    """How one sequence samples its tokens; the runner converts the protobuf `SamplingParams`.
-
-    Defaults are the neutral values, so an unset protobuf field maps to the default here.
-    """
-
-    temperature: float = 1.0  # 0 (or below MIN_TEMPERATURE) means greedy
-    top_k: int = -1  # -1 (or 0) keeps all tokens
-    top_p: float = 1.0  # in (0, 1]
-    min_p: float = 0.0  # in [0, 1]
-    repetition_penalty: float = 1.0  # HF semantics over prompt and output tokens, > 0
-    frequency_penalty: float = 0.0  # OpenAI semantics over output tokens
-    presence_penalty: float = 0.0  # OpenAI semantics over output tokens
-    seed: int | None = None  # unsigned 64-bit; makes sampling reproducible
-    return_logprobs: bool = False
-    num_top_logprobs: int = 0  # used only with return_logprobs
-    # Derived once here: SamplingBatch.build reads it several times per row at every step.
-    is_greedy: bool = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or >= 0, got {self.top_k}")
-        if self.num_top_logprobs < 0:
-            raise ValueError(f"num_top_logprobs must be >= 0, got {self.num_top_logprobs}")
-        if self.seed is not None and not 0 <= self.seed <= _MASK_64:
-            raise ValueError(f"seed must fit in 64 unsigned bits, got {self.seed}")
-        object.__setattr__(self, "is_greedy", self.temperature < MIN_TEMPERATURE)
-
-    @property
-    def has_top_k(self) -> bool:
-        return self.top_k > 0
-
-    @property
-    def has_repetition_penalty(self) -> bool:
-        return self.repetition_penalty != 1.0
-
-    @property
-    def has_output_penalty(self) -> bool:
-        """Whether the frequency or presence penalty is in use (both count output tokens)."""
-        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+_NEUTRAL = SamplingParams()  # the defaults: what rows without a stage hold
 
 
 def generator_seed(seed: int, output_index: int) -> int:
@@ -158,126 +109,119 @@ class SamplingBatch:
     needs_logprobs: bool
 
     @classmethod
-    def build(
-        cls,
-        params: Sequence[SequenceSamplingParams],
-        prompt_token_ids: Sequence[Sequence[int] | None],
-        output_token_ids: Sequence[Sequence[int]],
-        output_index: Sequence[int],
-        vocab_size: int,
-        device: torch.device | str,
-    ) -> SamplingBatch:
-        """Lays out one step's batch. Row i samples output token number `output_index[i]` (0 for the
-        first) of a sequence whose prompt and output so far are given; the token lists are read only
-        for rows with a non-neutral penalty (prompt tokens only for the repetition penalty)."""
+    def build(cls, rows: SamplingRows, vocab_size: int, device: torch.device | str) -> SamplingBatch:
+        """Lays out one step's batch (see SamplingRows)."""
         device = torch.device(device)
-        num_seqs = len(params)
-        if not len(prompt_token_ids) == len(output_token_ids) == len(output_index) == num_seqs:
-            raise ValueError("params, prompt_token_ids, output_token_ids and output_index differ in length")
+        params = rows.params
         sampled = [p for p in params if not p.is_greedy]
         is_all_greedy = not sampled
         seeded_rows = tuple(i for i, p in enumerate(params) if not p.is_greedy and p.seed is not None)
-        logprob_rows = [p for p in params if p.return_logprobs]
+        logprob_rows = [p for p in params if p.logprobs]
         # The optional stages, each None when no row uses it.
-        stages = {
-            "top_k": _top_k(params, vocab_size, device),
-            "top_p": _row_values(params, lambda p: p.top_p if p.top_p < 1.0 else 2.0, lambda p: p.top_p < 1.0, device),
-            "min_p": _row_values(params, lambda p: p.min_p, lambda p: p.min_p > 0.0, device),
-            **_repetition_penalty(params, prompt_token_ids, output_token_ids, vocab_size, device),
-            **_output_penalties(params, output_token_ids, vocab_size, device),
-        }
-        is_plain_temperature = all(v is None for v in stages.values()) and not seeded_rows and not logprob_rows
+        top_k = _top_k(params, vocab_size, device)
+        top_p = _row_values(params, lambda p: p.top_p if p.top_p < 1.0 else 2.0, lambda p: p.top_p < 1.0, device)
+        min_p = _row_values(params, lambda p: p.min_p, lambda p: p.min_p > 0.0, device)
+        repetition_penalties, seen_token_mask = _repetition_penalty(rows, vocab_size, device)
+        frequency_penalties, presence_penalties, output_token_counts = _output_penalties(rows, vocab_size, device)
+        is_plain_temperature = (top_k is None and top_p is None and min_p is None and repetition_penalties is None
+                                and frequency_penalties is None and not seeded_rows and not logprob_rows)
         return cls(
-            num_seqs=num_seqs,
+            num_seqs=len(params),
             vocab_size=vocab_size,
             is_all_greedy=is_all_greedy,
             greedy_mask=_greedy_mask(params, device),
             temperatures=None if is_all_greedy else _temperatures(params, device),
             is_plain_temperature=is_plain_temperature,
             inv_temperatures=_inv_temperatures(params, device) if is_plain_temperature and not is_all_greedy else None,
+            top_k=top_k,
             max_top_k=max((p.top_k for p in sampled if 0 < p.top_k < vocab_size), default=0),
-            **stages,
+            top_p=top_p,
+            min_p=min_p,
+            repetition_penalties=repetition_penalties,
+            seen_token_mask=seen_token_mask,
+            frequency_penalties=frequency_penalties,
+            presence_penalties=presence_penalties,
+            output_token_counts=output_token_counts,
             seeded_rows=seeded_rows,
-            generator_seeds=tuple(generator_seed(params[i].seed, output_index[i]) for i in seeded_rows),
+            generator_seeds=tuple(generator_seed(params[i].seed, rows.output_index[i]) for i in seeded_rows),
             seeded_row_index=_to_device(seeded_rows, torch.int64, device) if seeded_rows else None,
             max_num_top_logprobs=max((p.num_top_logprobs for p in logprob_rows), default=0),
             needs_logprobs=bool(logprob_rows),
         )
 
 
-def _greedy_mask(params: Sequence[SequenceSamplingParams], device: torch.device) -> torch.Tensor | None:
+def _greedy_mask(params: Sequence[SamplingParams], device: torch.device) -> torch.Tensor | None:
     is_greedy = [p.is_greedy for p in params]
     if all(is_greedy) or not any(is_greedy):
         return None
     return _to_device(is_greedy, torch.bool, device)
 
 
-def _temperatures(params: Sequence[SequenceSamplingParams], device: torch.device) -> torch.Tensor:
+def _temperatures(params: Sequence[SamplingParams], device: torch.device) -> torch.Tensor:
     return _to_device([1.0 if p.is_greedy else p.temperature for p in params], torch.float32, device)
 
 
-def _inv_temperatures(params: Sequence[SequenceSamplingParams], device: torch.device) -> torch.Tensor:
+def _inv_temperatures(params: Sequence[SamplingParams], device: torch.device) -> torch.Tensor:
     """1 / temperature of each sampled row and 0.0 (greedy) elsewhere, for the fused sampler."""
     return _to_device([0.0 if p.is_greedy else 1.0 / p.temperature for p in params], torch.float32, device)
 
 
-def _top_k(params: Sequence[SequenceSamplingParams], vocab_size: int, device: torch.device) -> torch.Tensor | None:
-    values = [p.top_k if p.has_top_k and not p.is_greedy and p.top_k < vocab_size else vocab_size for p in params]
+def _top_k(params: Sequence[SamplingParams], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    values = [p.top_k if p.top_k > 0 and not p.is_greedy and p.top_k < vocab_size else vocab_size for p in params]
     if all(k == vocab_size for k in values):
         return None
     return _to_device(values, torch.int64, device)
 
 
 def _row_values(
-    params: Sequence[SequenceSamplingParams],
-    value_of: Callable[[SequenceSamplingParams], float],
-    is_active: Callable[[SequenceSamplingParams], bool],
+    params: Sequence[SamplingParams],
+    value_of: Callable[[SamplingParams], float],
+    is_active: Callable[[SamplingParams], bool],
     device: torch.device,
 ) -> torch.Tensor | None:
     """A [B] float32 tensor of value_of(p) for sampled rows where is_active(p), else of the neutral
-    value_of(SequenceSamplingParams()); None when no sampled row is active."""
+    value_of(_NEUTRAL); None when no sampled row is active."""
     active = [not p.is_greedy and is_active(p) for p in params]
     if not any(active):
         return None
-    neutral = value_of(SequenceSamplingParams())
+    neutral = value_of(_NEUTRAL)
     values = [value_of(p) if a else neutral for p, a in zip(params, active, strict=True)]
     return _to_device(values, torch.float32, device)
 
 
+def _has_output_penalty(p: SamplingParams) -> bool:
+    """Whether the frequency or presence penalty is in use (both count output tokens)."""
+    return p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
 def _repetition_penalty(
-    params: Sequence[SequenceSamplingParams],
-    prompt_token_ids: Sequence[Sequence[int] | None],
-    output_token_ids: Sequence[Sequence[int]],
-    vocab_size: int,
-    device: torch.device,
-) -> dict[str, torch.Tensor | None]:
-    if not any(p.has_repetition_penalty for p in params):
-        return {"repetition_penalties": None, "seen_token_mask": None}
-    rows: list[tuple[Sequence[int], ...]] = []
-    for p, prompt, output in zip(params, prompt_token_ids, output_token_ids, strict=True):
-        if not p.has_repetition_penalty:
-            rows.append(())
+    rows: SamplingRows, vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(repetition_penalties, seen_token_mask), None when no row has the penalty."""
+    params = rows.params
+    if all(p.repetition_penalty == 1.0 for p in params):
+        return None, None
+    token_rows: list[tuple[Sequence[int], ...]] = []
+    for p, prompt, output in zip(params, rows.prompt_token_ids, rows.output_token_ids, strict=True):
+        if p.repetition_penalty == 1.0:
+            token_rows.append(())
         elif prompt is None:
             raise ValueError("repetition_penalty needs the prompt token ids")
         else:
-            rows.append((prompt, output))
-    return {
-        "repetition_penalties": _to_device([p.repetition_penalty for p in params], torch.float32, device),
-        "seen_token_mask": _scatter_token_rows(rows, vocab_size, device, torch.bool),
-    }
+            token_rows.append((prompt, output))
+    return (_to_device([p.repetition_penalty for p in params], torch.float32, device),
+            _scatter_token_rows(token_rows, vocab_size, device, torch.bool))
 
 
 def _output_penalties(
-    params: Sequence[SequenceSamplingParams],
-    output_token_ids: Sequence[Sequence[int]],
-    vocab_size: int,
-    device: torch.device,
-) -> dict[str, torch.Tensor | None]:
-    if not any(p.has_output_penalty for p in params):
-        return {"frequency_penalties": None, "presence_penalties": None, "output_token_counts": None}
-    rows = [(output,) if p.has_output_penalty else () for p, output in zip(params, output_token_ids, strict=True)]
-    return {
-        "frequency_penalties": _to_device([p.frequency_penalty for p in params], torch.float32, device),
-        "presence_penalties": _to_device([p.presence_penalty for p in params], torch.float32, device),
-        "output_token_counts": _scatter_token_rows(rows, vocab_size, device, torch.float32),
-    }
+    rows: SamplingRows, vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(frequency_penalties, presence_penalties, output_token_counts), None when no row has either."""
+    params = rows.params
+    if not any(_has_output_penalty(p) for p in params):
+        return None, None, None
+    token_rows = [(output,) if _has_output_penalty(p) else ()
+                  for p, output in zip(params, rows.output_token_ids, strict=True)]
+    return (_to_device([p.frequency_penalty for p in params], torch.float32, device),
+            _to_device([p.presence_penalty for p in params], torch.float32, device),
+            _scatter_token_rows(token_rows, vocab_size, device, torch.float32))

@@ -19,21 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from worker_service.sampling_state import SamplingBatch, SequenceSamplingParams, generator_seed
+from worker_service.sampling import FUSED_SAMPLING_DTYPES
+from worker_service.sampling.sampling_state import SamplingBatch
 
-__all__ = [
-    "Sampler",
-    "SamplerOutput",
-    "SamplingBatch",
-    "SequenceSamplingParams",
-    "apply_penalties",
-    "generator_seed",
-    "seeded_exponential_noise",
-]
-
-# What fused_sampling.gumbel_sample accepts (defined here: that module imports Triton, so it is
-# imported only when used).
-FUSED_SAMPLING_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Exp(1) draws can be exactly 0 (a uniform draw of 1); p / 0 would beat every real candidate, and
 # 0 / 0 = NaN would let argmax pick a filtered token.
 _MIN_NOISE = torch.finfo(torch.float32).tiny
@@ -73,7 +61,7 @@ class Sampler:
         if logits.dim() != 2 or tuple(logits.shape) != (batch.num_seqs, batch.vocab_size):
             raise ValueError(f"logits of shape {tuple(logits.shape)} for {batch.num_seqs} rows of {batch.vocab_size}")
         if self._takes_fused_path(logits, batch):
-            from worker_service.fused_sampling import gumbel_sample  # imports Triton: only when needed
+            from worker_service.sampling.fused_sampling import gumbel_sample  # imports Triton: only when needed
 
             seed = self._fused_seeds.getrandbits(62)
             return SamplerOutput(token_ids=gumbel_sample(logits, batch.inv_temperatures, seed))

@@ -28,7 +28,7 @@ import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
 from worker_service.attention.triton_common import num_sms
-from worker_service.sampler import FUSED_SAMPLING_DTYPES
+from worker_service.sampling import FUSED_SAMPLING_DTYPES
 
 BLOCK = 4096  # columns per tile: a quarter (one Philox output) is 8 columns, 16 bytes of bf16, a thread
 NUM_WARPS = 4
