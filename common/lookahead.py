@@ -1,6 +1,5 @@
 """The rule by which scheduler and worker count a sequence's tokens alike without waiting for a
 reply (one step of lookahead): both apply it when a step is sent, before its tokens are known."""
-from __future__ import annotations
 
 
 def num_sampled_tokens(num_tokens: int, num_computed_tokens: int) -> int:

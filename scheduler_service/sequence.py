@@ -92,10 +92,6 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_scheduled_tokens_total - self.num_computed_tokens
 
@@ -117,9 +113,8 @@ class Sequence:
             self.first_scheduled_time = time.monotonic()
 
     def schedule(self, num_tokens: int) -> ScheduledSequence:
-        """The next step computes num_tokens more tokens (n decode iterations count n) and leaves
-        the worker holding the sequence and its blocks. The tokens it samples are pending until
-        its reply; the result says what the worker must be sent."""
+        """The next step computes num_tokens more tokens (n decode iterations count n); what it
+        samples is pending until its reply. Returns what the worker must be sent for it."""
         start, total = self.num_computed_tokens, self.num_scheduled_tokens_total
         self.num_computed_tokens += num_tokens
         num_samples = num_sampled_tokens(total, self.num_computed_tokens)
@@ -144,9 +139,7 @@ class Sequence:
         self.num_preemptions += 1
 
     def finish(self, reason: FinishReason, matched_stop: str | int | None = None) -> None:
-        """Ends the sequence (its blocks are freed first); a second finish changes nothing."""
-        if self.is_finished:
-            return
+        """Ends the sequence (its blocks are freed first)."""
         self._forget_computed()
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
