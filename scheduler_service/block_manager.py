@@ -3,7 +3,9 @@
 Every full block whose K/V have been computed is keyed by a chained xxhash of its tokens and of
 its prefix's hash. A later sequence with the same prefix reuses those blocks (a hit is confirmed by
 comparing tokens). Freed blocks keep their hash and can be revived until the allocator reuses them,
-least recently freed first. Every operation costs O(blocks touched), never O(pool).
+least recently freed first. Every operation costs O(blocks touched), never O(pool). A sequence's
+block table and block hashes change only here, one method per change: admit, allocate_slots,
+register_computed_blocks, free.
 """
 from __future__ import annotations
 
@@ -96,7 +98,8 @@ class BlockManager:
 
     def admit(self, seq: Sequence, hit: PrefixHit, num_new_tokens: int) -> bool:
         """Gives a waiting sequence its prefix hit and blocks for num_new_tokens more tokens; False
-        (and no change) if the pool lacks blocks. Hit blocks other sequences hold cost no free block."""
+        (and no change) if the pool lacks blocks. Hit blocks other sequences hold cost no free block.
+        The caller then admits seq itself (Sequence.admit), with the hit's tokens as computed."""
         if seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
         num_cached_tokens = len(hit.blocks) * self.block_size
@@ -107,8 +110,7 @@ class BlockManager:
                 del self.free_block_ids[block.block_id]
             block.ref_count += 1
             seq.block_table.append(block.block_id)
-        seq.block_hashes = list(hit.hashes)
-        seq.num_computed_tokens = seq.num_cached_tokens = num_cached_tokens
+        seq.block_hashes.extend(hit.hashes)
         if self.enable_prefix_caching:
             self.num_prefix_query_tokens += seq.num_tokens
             self.num_prefix_hit_tokens += num_cached_tokens
@@ -169,6 +171,5 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None
-        seq.block_table = []
-        seq.block_hashes = []
-        seq.num_computed_tokens = 0
+        seq.block_table.clear()
+        seq.block_hashes.clear()

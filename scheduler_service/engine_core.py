@@ -18,7 +18,7 @@ from scheduler_service.block_manager import BlockManager
 from scheduler_service.detokenizer import IncrementalDetokenizer, TokenDecoder
 from scheduler_service.errors import QueueFullError, RequestError
 from scheduler_service.scheduler import Scheduler, SchedulerOutput
-from scheduler_service.sequence import FinishReason, Sequence, SequenceStatus
+from scheduler_service.sequence import FinishReason, Sequence
 from scheduler_service.step_builder import build_step_request
 
 
@@ -98,10 +98,11 @@ class EngineCore:
         self.validate(prompt_token_ids)
         if self.scheduler.num_unfinished >= self.config.max_queue_size:
             raise QueueFullError(f"queue: full ({self.config.max_queue_size} requests)")
-        seq = Sequence(list(prompt_token_ids), params)
+        detokenizer = None
         if tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids, params.stop,
-                                                     params.include_stop_in_output)
+            detokenizer = IncrementalDetokenizer(tokenizer, list(prompt_token_ids), params.stop,
+                                                 params.include_stop_in_output)
+        seq = Sequence(list(prompt_token_ids), params, detokenizer=detokenizer)
         self.scheduler.add(seq)
         return seq
 
@@ -124,7 +125,8 @@ class EngineCore:
         self.scheduler.running.clear()
         self.scheduler.waiting.clear()
         for seq in sequences:
-            seq.reset_for_recompute()
+            self.block_manager.free(seq)  # the pool goes with this engine; seq's block table is cleared
+            seq.preempt()
         return sequences
 
     def adopt(self, sequences: list[Sequence]) -> None:
@@ -153,18 +155,17 @@ class EngineCore:
         scheduled = step.scheduled
         for sampled in response.tokens:
             seq, epoch = scheduled[sampled.seq_id]
-            if seq.status is SequenceStatus.FINISHED or seq.num_preemptions != epoch:
+            if seq.is_finished or seq.num_preemptions != epoch:
                 continue  # stopped or preempted while the step ran: the token is dropped
             token_id = sampled.token_id
-            seq.num_pending_tokens -= 1
-            seq.token_ids.append(token_id)
+            seq.append_token(token_id)
             update = TokenUpdate(seq, token_id)
             if seq.sampling_params.logprobs and sampled.HasField("logprob"):
                 update.logprob = sampled.logprob
                 update.top_logprobs = [(t.token_id, t.logprob) for t in sampled.top_logprobs]
-            reason = self._add_text(seq, token_id, self._stop_reason(seq, token_id))
+            reason, matched_stop = self._stop(seq, token_id)
             if reason is not None:
-                self.scheduler.finish(seq, reason)
+                self.scheduler.finish(seq, reason, matched_stop)
                 update.finished = True
             updates.append(update)
         for seq, epoch in step.scheduled.values():
@@ -172,26 +173,20 @@ class EngineCore:
                 self.block_manager.register_computed_blocks(seq)
         return updates
 
-    def _add_text(self, seq: Sequence, token_id: int, reason: FinishReason | None) -> FinishReason | None:
-        """Adds the token's text; a completed stop string finishes the sequence right here, so
-        that no later token of the same step is appended after it."""
-        detokenizer = seq.detokenizer
-        if detokenizer is None:
-            return reason
-        if reason is FinishReason.STOP and not seq.sampling_params.include_stop_in_output:
-            return reason  # the EOS or stop token itself adds no text
-        if detokenizer.add_token(token_id) is not None and reason is not FinishReason.STOP:
-            seq.matched_stop = detokenizer.matched_stop
-            return FinishReason.STOP_SEQUENCE
-        return reason
-
-    def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+    def _stop(self, seq: Sequence, token_id: int) -> tuple[FinishReason | None, str | int | None]:
+        """Whether the new token ends seq, and the stop it matched. The token's text is added here:
+        a completed stop string ends seq at once, so that no later token of the step follows it."""
         params = seq.sampling_params
+        reason, matched_stop = None, None
         if token_id in params.stop_token_ids:
-            seq.matched_stop = token_id
-            return FinishReason.STOP
-        if not params.ignore_eos and token_id in self.eos_token_ids:
-            return FinishReason.STOP
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
+            reason, matched_stop = FinishReason.STOP, token_id
+        elif not params.ignore_eos and token_id in self.eos_token_ids:
+            reason = FinishReason.STOP
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        detokenizer = seq.detokenizer
+        if detokenizer is None or (reason is FinishReason.STOP and not params.include_stop_in_output):
+            return reason, matched_stop  # the EOS or stop token itself adds no text
+        if detokenizer.add_token(token_id) is not None and reason is not FinishReason.STOP:
+            return FinishReason.STOP_SEQUENCE, detokenizer.matched_stop
+        return reason, matched_stop

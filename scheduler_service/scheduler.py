@@ -8,26 +8,12 @@ waits at the front of the queue to be recomputed from its tokens.
 """
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from common.config import SchedulerConfig
 from scheduler_service.block_manager import BlockManager
-from scheduler_service.sequence import FinishReason, Sequence, SequenceStatus
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledSequence:
-    seq: Sequence
-    num_tokens: int  # tokens to compute this step, starting at start_position
-    start_position: int
-    is_new_on_worker: bool
-    num_samples: int  # tokens the step samples for it: 0 mid-prompt, 1, or num_decode_steps
-
-    @property
-    def samples(self) -> bool:
-        return self.num_samples > 0
+from scheduler_service.sequence import FinishReason, ScheduledSequence, Sequence, SequenceStatus
 
 
 @dataclass
@@ -116,7 +102,7 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break  # seq itself was preempted: nothing newer is left to run
-            output.scheduled.append(self._mark_scheduled(seq, num_tokens))
+            output.scheduled.append(seq.schedule(num_tokens))
             budget -= num_tokens
             index += 1
         return budget
@@ -130,11 +116,9 @@ class Scheduler:
             if not self.block_manager.admit(seq, hit, num_tokens):
                 break
             self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = time.monotonic()
+            seq.admit(num_cached)
             self.running.append(seq)
-            output.scheduled.append(self._mark_scheduled(seq, num_tokens))
+            output.scheduled.append(seq.schedule(num_tokens))
             budget -= num_tokens
 
     def _num_tokens_to_compute(self, seq: Sequence) -> int:
@@ -146,34 +130,21 @@ class Scheduler:
             return 0
         return seq.num_uncomputed_tokens
 
-    def _mark_scheduled(self, seq: Sequence, num_tokens: int) -> ScheduledSequence:
-        """Counts the tokens as computed; those the step samples are pending until it returns. A
-        decode of n iterations computes the last token and n - 1 it samples itself, and samples n."""
-        start = seq.num_computed_tokens
-        total = seq.num_scheduled_tokens_total
-        seq.num_computed_tokens += num_tokens
-        num_samples = seq.num_computed_tokens - total + 1 if seq.num_computed_tokens >= total else 0
-        seq.num_pending_tokens += num_samples
-        return ScheduledSequence(seq, num_tokens, start, not seq.is_on_worker, num_samples)
-
     def _preempt(self, seq: Sequence, output: SchedulerOutput) -> None:
         self.running.remove(seq)
-        self._forget_on_worker(seq)
-        self.block_manager.free(seq)
-        seq.status = SequenceStatus.WAITING
-        seq.num_pending_tokens = 0
-        seq.num_preemptions += 1
+        self._release(seq)
+        seq.preempt()
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
         output.preempted.append(seq)
 
-    def _forget_on_worker(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence) -> None:
+        """Frees seq's blocks and tells the worker to forget it at the next step."""
         if seq.is_on_worker:
             self._to_release.append(seq.seq_id)
-            seq.num_blocks_on_worker = -1
-            seq.worker_holds_last_token = False
+        self.block_manager.free(seq)
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason, matched_stop: str | int | None = None) -> None:
         """Marks seq finished, frees its blocks and tells the worker at the next step."""
         if seq.is_finished:
             return
@@ -181,8 +152,5 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self._forget_on_worker(seq)
-        self.block_manager.free(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        seq.num_pending_tokens = 0
+        self._release(seq)
+        seq.finish(reason, matched_stop)

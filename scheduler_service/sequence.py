@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
 
+from common.lookahead import num_sampled_tokens
 from common.sampling_params import SamplingParams
 
 
@@ -31,7 +32,9 @@ class Sequence:
     """One request. Token ids are the prompt followed by every output token so far.
 
     num_computed_tokens counts tokens whose K/V are in the cache; tokens beyond it are still to be
-    computed (a prompt or its rest, or the last sampled token during decode).
+    computed (a prompt or its rest, or the last sampled token during decode). Fields change only
+    through the transitions below (admit, schedule, append_token, preempt, finish), except the
+    block table and block hashes, which belong to the BlockManager.
     """
 
     token_ids: list[int]
@@ -89,10 +92,6 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_scheduled_tokens_total - self.num_computed_tokens
 
@@ -104,14 +103,70 @@ class Sequence:
     def is_on_worker(self) -> bool:
         return self.num_blocks_on_worker >= 0
 
-    def reset_for_recompute(self) -> None:
-        """Forgets everything cache-related: the sequence is recomputed from its tokens. Tokens of
-        steps still in flight will be dropped (the preemption count changes)."""
+    # Transitions.
+
+    def admit(self, num_cached_tokens: int) -> None:
+        """Runs from now on; the prefix cache served its first num_cached_tokens tokens."""
+        self.status = SequenceStatus.RUNNING
+        self.num_computed_tokens = self.num_cached_tokens = num_cached_tokens
+        if self.first_scheduled_time is None:
+            self.first_scheduled_time = time.monotonic()
+
+    def schedule(self, num_tokens: int) -> ScheduledSequence:
+        """The next step computes num_tokens more tokens (n decode iterations count n); what it
+        samples is pending until its reply. Returns what the worker must be sent for it."""
+        start, total = self.num_computed_tokens, self.num_scheduled_tokens_total
+        self.num_computed_tokens += num_tokens
+        num_samples = num_sampled_tokens(total, self.num_computed_tokens)
+        self.num_pending_tokens += num_samples
+        token_ids = [] if self.worker_holds_last_token else self.token_ids[start:start + num_tokens]
+        scheduled = ScheduledSequence(self, num_tokens, start, not self.is_on_worker, num_samples, token_ids,
+                                      self.block_table[max(self.num_blocks_on_worker, 0):])
+        self.num_blocks_on_worker = len(self.block_table)
+        self.worker_holds_last_token = num_samples > 0
+        return scheduled
+
+    def append_token(self, token_id: int) -> None:
+        """A token sampled by a step in flight arrived."""
+        self.num_pending_tokens -= 1
+        self.token_ids.append(token_id)
+
+    def preempt(self) -> None:
+        """Back to waiting, to be recomputed from its tokens (its blocks are freed first). Tokens of
+        steps still in flight will be dropped: the preemption count tells them apart."""
+        self._forget_computed()
         self.status = SequenceStatus.WAITING
-        self.block_table = []
-        self.block_hashes = []
+        self.num_preemptions += 1
+
+    def finish(self, reason: FinishReason, matched_stop: str | int | None = None) -> None:
+        """Ends the sequence (its blocks are freed first)."""
+        self._forget_computed()
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.matched_stop = matched_stop
+
+    def _forget_computed(self) -> None:
+        """The one reset: nothing computed, pending or held by a worker survives."""
         self.num_computed_tokens = 0
         self.num_pending_tokens = 0
         self.num_blocks_on_worker = -1
         self.worker_holds_last_token = False
-        self.num_preemptions += 1
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSequence:
+    """What one step does for one sequence, and what the worker must be sent for it."""
+
+    seq: Sequence
+    num_tokens: int  # tokens to compute this step, starting at start_position
+    start_position: int
+    is_new_on_worker: bool
+    num_samples: int  # tokens the step samples for it: 0 mid-prompt, 1, or num_decode_steps
+    # The tokens to send: none for a decode, whose token the worker sampled itself (with lookahead
+    # the scheduler may not even know it yet).
+    token_ids: list[int]
+    new_block_ids: list[int]  # blocks the worker has not seen: all of them for a new sequence
+
+    @property
+    def samples(self) -> bool:
+        return self.num_samples > 0

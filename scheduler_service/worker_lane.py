@@ -23,7 +23,7 @@ from common.generated.nanovllm.worker.v1 import worker_pb2
 from scheduler_service.engine_core import EngineCore, InFlightStep, TokenUpdate
 from scheduler_service.errors import WorkerLostError, WorkerStepError
 from scheduler_service.metrics import ServiceMetrics
-from scheduler_service.sequence import FinishReason, Sequence, SequenceStatus
+from scheduler_service.sequence import FinishReason, Sequence
 from scheduler_service.worker_client import WorkerClient
 from scheduler_service.worker_faults import StepFailedError, WorkerFault, classify
 
@@ -92,8 +92,7 @@ class WorkerLane:
         if self.core is not None:
             self.core.abort(seq)
         else:
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = FinishReason.ABORTED
+            seq.finish(FinishReason.ABORTED)  # an orphan: no scheduler holds it
         self.wakeup.set()  # so that the worker is told to release it even when idle
 
     async def close(self) -> None:
@@ -178,8 +177,7 @@ class WorkerLane:
             logger.error("worker %s lost for %.0f s: failing its %d requests", self.worker.address,
                          self.config.worker_timeout_s, len(parked))
         for seq in parked:
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = FinishReason.ABORTED
+            seq.finish(FinishReason.ABORTED)
         self.on_failure(self, WorkerLostError(f"worker lost: none answered within {self.config.worker_timeout_s:g} s"),
                         parked)
 

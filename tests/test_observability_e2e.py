@@ -3,6 +3,7 @@ by the `nanovllm` CLI, called over gRPC, /metrics scraped over HTTP after the re
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -14,8 +15,9 @@ import pytest
 
 from common.client import GenerationClient, build_request
 from common.generated.nanovllm.generate.v1 import generate_pb2, generate_pb2_grpc
+from common.worker_link import SECRET_ENV
 from tests.metrics_scrape import scrape, value
-from tests.services_harness import REPO_ROOT, cli, free_port, stop, wait_until
+from tests.services_harness import REPO_ROOT, WORKER_SECRET, cli, free_port, stop, wait_until
 from tests.test_services_e2e import model_with_tokenizer
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -36,7 +38,7 @@ class Services:
             self.scheduler = subprocess.Popen(
                 [sys.executable, "-m", "common.cli", "--log-format", "json", "scheduler", "--worker",
                  ",".join(self.addresses), "--port", str(self.port), "--metrics-port", str(self.metrics_port)],
-                cwd=REPO_ROOT, stderr=log)
+                cwd=REPO_ROOT, stderr=log, env={**os.environ, SECRET_ENV: WORKER_SECRET})
         self.client = GenerationClient(f"127.0.0.1:{self.port}", timeout=120)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = generate_pb2_grpc.TextGenerationStub(self.channel)

@@ -16,6 +16,7 @@ import torch
 from common.config import WorkerConfig
 from common.gc_pauses import freeze_startup_objects
 from common.generated.nanovllm.worker.v1 import worker_pb2
+from common.lookahead import num_sampled_tokens
 from worker_service.batch import ScheduledChunk, apply_step, build_model_input
 from worker_service.model_runner import ModelRunner
 from worker_service.sampling.sampler import SamplerOutput
@@ -201,10 +202,10 @@ class WorkerCore:
             for chunk in chunks:
                 state = chunk.state
                 state.num_computed_tokens += len(chunk.token_ids) + num_steps - 1
+                state.num_tokens += num_sampled_tokens(state.num_tokens, state.num_computed_tokens)
                 state.last_token = None
                 state.pending = None
                 if chunk.samples:
-                    state.num_tokens += num_steps
                     state.pending = (pending, row)
                     row += 1
         self._last_launched = pending

@@ -15,12 +15,14 @@ def seq_of(tokens: list[int]) -> Sequence:
 
 
 def admit_all(manager: BlockManager, seq: Sequence) -> bool:
-    """Admits seq with every uncached token to compute, then marks them computed and registers them."""
+    """Admits seq as the scheduler does, with every uncached token to compute in one step, and
+    registers the computed blocks."""
     hit = manager.find_prefix_hit(seq)
     num_cached = len(hit.blocks) * manager.block_size
     if not manager.admit(seq, hit, seq.num_tokens - num_cached):
         return False
-    seq.num_computed_tokens = seq.num_tokens
+    seq.admit(num_cached)
+    seq.schedule(seq.num_tokens - num_cached)
     manager.register_computed_blocks(seq)
     return True
 

@@ -26,10 +26,8 @@ def add(scheduler: Scheduler, num_tokens: int, first_token: int = 0, max_tokens:
 def complete(scheduler: Scheduler, output: SchedulerOutput, token: int = 7) -> None:
     """What the engine does with the worker's reply: sampled tokens appended, blocks registered."""
     for item in output.scheduled:
-        item.seq.num_blocks_on_worker = len(item.seq.block_table)
         for _ in range(item.num_samples):
-            item.seq.num_pending_tokens -= 1
-            item.seq.token_ids.append(token)
+            item.seq.append_token(token)
         scheduler.block_manager.register_computed_blocks(item.seq)
 
 
