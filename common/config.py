@@ -11,18 +11,31 @@ def _require(condition: bool, name: str, message: str) -> None:
         raise ValueError(f"{name}: {message}")
 
 
+def _check_fields(config: object) -> None:
+    """Every field holds one of its metadata's choices and lies within its min and max."""
+    for f in fields(config):  # type: ignore[arg-type]
+        value, low, high = getattr(config, f.name), f.metadata.get("min"), f.metadata.get("max")
+        if "choices" in f.metadata:
+            _require(value in f.metadata["choices"], f.name,
+                     f"must be one of {', '.join(f.metadata['choices'])}, got {value!r}")
+        if high is not None:
+            _require(low <= value <= high, f.name, f"must be in [{low}, {high}], got {value}")
+        elif low is not None:
+            _require(value >= low, f.name, f"must be >= {low}, got {value}")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """How the scheduler batches work."""
 
-    max_num_seqs: int = option(256, "most sequences in one step")
-    max_num_batched_tokens: int = option(16384, "most tokens in one step")
-    max_model_len: int = option(0, "longest sequence, prompt and output (0: the worker's limit)")
+    max_num_seqs: int = option(256, "most sequences in one step", min=1)
+    max_num_batched_tokens: int = option(16384, "most tokens in one step", min=1)
+    max_model_len: int = option(0, "longest sequence, prompt and output (0: the worker's limit)", min=0)
     enable_prefix_caching: bool = option(True, "the prefix cache", flag="prefix-caching")
-    max_queue_size: int = option(4096, "unfinished requests per worker; beyond: RESOURCE_EXHAUSTED")
-    # The per-step host work (scheduling, the Step message, input building) is paid once per this
-    # many tokens. 1 turns it off.
-    num_decode_steps: int = option(4, "decode iterations per step when only decodes run (tokens per stream message)")
+    max_queue_size: int = option(4096, "unfinished requests per worker; beyond: RESOURCE_EXHAUSTED", min=1)
+    # The per-step host work (scheduling, the Step message, input building) is paid once per this many tokens.
+    num_decode_steps: int = option(4, "decode iterations per step when only decodes run (tokens per stream "
+                                   "message)", min=1, max=64)
     worker_timeout_s: float = option(60.0, "seconds a lost worker's requests wait for it to answer again "
                                      "(then UNAVAILABLE)", flag="worker-timeout")
     # Generous: a slow CPU worker must never hit it.
@@ -33,13 +46,7 @@ class SchedulerConfig:
                                              flag="step-timeout-per-token")
 
     def __post_init__(self) -> None:
-        _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
-        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
-                 f"must be >= 1, got {self.max_num_batched_tokens}")
-        _require(self.max_model_len >= 0, "max_model_len", f"must be >= 0, got {self.max_model_len}")
-        _require(self.max_queue_size >= 1, "max_queue_size", f"must be >= 1, got {self.max_queue_size}")
-        _require(1 <= self.num_decode_steps <= 64, "num_decode_steps",
-                 f"must be in [1, 64], got {self.num_decode_steps}")
+        _check_fields(self)
         _require(self.worker_timeout_s > 0, "worker_timeout", f"must be > 0, got {self.worker_timeout_s}")
         _require(self.step_timeout_base_s > 0 and self.step_timeout_per_token_s >= 0, "step_timeout",
                  f"must be positive, got {self.step_timeout_base_s} + {self.step_timeout_per_token_s} per token")
@@ -55,38 +62,36 @@ class PublicServerConfig:
     """
 
     host: str = option("127.0.0.1", "public address to bind (0.0.0.0 for all)")
-    port: int = option(50051, "public gRPC port")
+    port: int = option(50051, "public gRPC port", min=0, max=65535)
     tls_cert: str | None = option(None, "PEM certificate chain of the public port (re-read when it changes)")
     tls_key: str | None = option(None, "PEM private key of --tls-cert (re-read when it changes)")
     tls_client_ca: str | None = option(None, "PEM CA bundle: require client certificates it signed (mTLS)")
     api_key_file: str | None = option(None, "file of API keys, one per line (re-read when it changes); or "
                                       "$NANOVLLM_API_KEYS, comma-separated; clients send 'authorization: Bearer <key>'")
     reflection: bool = option(True, "serve gRPC server reflection (needs an API key when keys are configured)")
-    max_concurrent_calls: int = option(16384, "calls handled at once (health checks aside); beyond: RESOURCE_EXHAUSTED")
+    max_concurrent_calls: int = option(16384, "calls handled at once (health checks aside); beyond: "
+                                       "RESOURCE_EXHAUSTED", min=1)
     shutdown_grace_s: float = option(30.0, "seconds in-flight requests get to finish after SIGTERM or SIGINT",
                                      flag="shutdown-grace")
 
     def __post_init__(self) -> None:
-        _require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
+        _check_fields(self)
         _require((self.tls_cert is None) == (self.tls_key is None), "tls_cert",
                  "--tls-cert and --tls-key go together")
         _require(self.tls_client_ca is None or self.tls_cert is not None, "tls_client_ca",
                  "needs --tls-cert and --tls-key")
-        _require(self.max_concurrent_calls >= 1, "max_concurrent_calls",
-                 f"must be >= 1, got {self.max_concurrent_calls}")
 
 
 @dataclass(frozen=True)
 class ObservabilityConfig:
     """How a service reports on itself: the Prometheus port and the log lines."""
 
-    metrics_port: int = option(0, "serve Prometheus metrics on --host:PORT/metrics (0: off)")
+    metrics_port: int = option(0, "serve Prometheus metrics on --host:PORT/metrics (0: off)", min=0, max=65535)
     log_level: str = option("INFO", "DEBUG, INFO, WARNING or ERROR")
     log_format: str = option("text", "json: one JSON object per line, for log pipelines", choices=("text", "json"))
 
     def __post_init__(self) -> None:
-        _require(0 <= self.metrics_port <= 65535, "metrics_port", f"must be in [0, 65535], got {self.metrics_port}")
-        _require(self.log_format in ("text", "json"), "log_format", f"must be text or json, got {self.log_format!r}")
+        _check_fields(self)
 
 
 @dataclass(frozen=True)
@@ -99,11 +104,11 @@ class WorkerConfig:
                         choices=("auto", "float32", "bfloat16", "float16"))
     device: str = option("auto", "cuda, cuda:N, cpu (auto: cuda if present)")
     block_size: int = option(256, "tokens per KV block (a power of two >= 16)")
-    max_model_len: int = option(4096, "longest sequence, prompt and output")
+    max_model_len: int = option(4096, "longest sequence, prompt and output", min=1)
     gpu_memory_utilization: float = option(0.9, "share of GPU memory for weights, activations and the KV cache")
     # KV memory budget on CPU, where there is no device memory to measure (flag: --cpu-kv-cache-gb).
-    cpu_kv_cache_bytes: int = option(1 << 30, cli=False)
-    num_kv_blocks: int = option(0, "override the KV block count (0: from the memory budget)")
+    cpu_kv_cache_bytes: int = option(1 << 30, cli=False, min=1)
+    num_kv_blocks: int = option(0, "override the KV block count (0: from the memory budget)", min=0)
     enforce_eager: bool = option(False, "no CUDA graphs")
     attention_backend: str = option("auto", "attention backend by registered name (auto: the device's best)")
     # fp8: worker_service/attention/kv_quant.py.
@@ -111,38 +116,24 @@ class WorkerConfig:
                                  "~twice the tokens", choices=("auto", "fp8"))
     seed: int = option(0, "seed of the worker's sampler for requests without a seed of their own")
     # The scheduler never schedules more (it takes the smaller of its own limits and these).
-    max_num_seqs: int = option(256, "most sequences in one step (sizes activation memory and CUDA graphs)")
-    max_num_batched_tokens: int = option(16384, "most tokens in one step (sizes activation memory)")
+    max_num_seqs: int = option(256, "most sequences in one step (sizes activation memory and CUDA graphs)", min=1)
+    max_num_batched_tokens: int = option(16384, "most tokens in one step (sizes activation memory)", min=1)
     tensor_parallel_size: int = option(1, "shard the model over the first N visible GPUs (N processes on CPU)",
-                                       aliases=("-tp",))
+                                       aliases=("-tp",), min=1)
     cpu_weight_format: str = option("auto", "GGUF on CPU: int4 keeps 4-bit projections quantized (faster, "
                                     "bfloat16 activations), float32 dequantizes (token-exact with transformers); "
                                     "auto: int4", choices=("auto", "float32", "int4"))
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model", "must name a checkpoint folder or GGUF file")
-        _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
-                 f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        _require(self.kv_cache_dtype in ("auto", "fp8"), "kv_cache_dtype",
-                 f"must be auto or fp8, got {self.kv_cache_dtype!r}")
+        _check_fields(self)
         _require(self.block_size >= 16 and self.block_size & (self.block_size - 1) == 0, "block_size",
                  f"must be a power of two >= 16, got {self.block_size}")
-        _require(self.max_model_len >= 1, "max_model_len", f"must be >= 1, got {self.max_model_len}")
         _require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
                  f"must be in (0, 1], got {self.gpu_memory_utilization}")
-        _require(self.cpu_kv_cache_bytes > 0, "cpu_kv_cache_bytes", f"must be > 0, got {self.cpu_kv_cache_bytes}")
-        _require(self.num_kv_blocks >= 0, "num_kv_blocks", f"must be >= 0, got {self.num_kv_blocks}")
-        _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
-        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
-                 f"must be >= 1, got {self.max_num_batched_tokens}")
-        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size",
-                 f"must be >= 1, got {self.tensor_parallel_size}")
         _require(self.tensor_parallel_size == 1 or ":" not in self.device, "device",
                  f"{self.device} names one GPU; tensor parallelism takes the first tensor_parallel_size "
                  "visible GPUs (choose them with CUDA_VISIBLE_DEVICES)")
-
-        _require(self.cpu_weight_format in ("auto", "float32", "int4"), "cpu_weight_format",
-                 f"must be auto, float32 or int4, got {self.cpu_weight_format!r}")
 
 
 @dataclass(frozen=True)

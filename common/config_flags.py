@@ -1,8 +1,9 @@
 """Command-line flags made from the config dataclasses: their fields' defaults and help are the only ones.
 
 A field's metadata (see `option`) holds its help, and optionally `flag` (the flag's name when it is
-not the field's, without dashes), `aliases` (further spellings, as typed) and `choices`; a field
-with `cli=False` (a secret, or one with a special conversion) gets no flag.
+not the field's, without dashes), `aliases` (further spellings, as typed), `choices`, and `min` and
+`max` (which the config checks); a field with `cli=False` (a secret, or one with a special
+conversion) gets no flag.
 """
 from __future__ import annotations
 
