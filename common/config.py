@@ -163,7 +163,8 @@ class WorkerLinkConfig:
 
 @dataclass(frozen=True)
 class WorkerInfo:
-    """What the scheduler learns from a worker at run time (its Describe reply)."""
+    """What the scheduler learns from a worker at run time (its Describe reply); what a lane serves
+    (max_model_len within the scheduler's limit, the eos ids with the tokenizer's)."""
 
     model_name: str
     dtype: str
@@ -174,6 +175,7 @@ class WorkerInfo:
     device: str
     max_num_seqs: int = 0  # 0: the worker sets no limit of its own
     max_num_batched_tokens: int = 0
+    eos_token_ids: tuple[int, ...] = ()
 
 
 def split_options(options: dict[str, object]) -> tuple[dict[str, object], dict[str, object]]:
