@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from common.config import ObservabilityConfig, PublicServerConfig, SchedulerConfig, WorkerConfig, WorkerLinkConfig
 from common.config_flags import add_flags, config_from
@@ -33,12 +34,12 @@ def add_scheduler_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] =
     add_flags(parser.add_argument_group("public port"), PublicServerConfig)
 
 
-def add_link_flags(parser: argparse.ArgumentParser, **flags: object) -> None:
+def add_link_flags(parser: argparse.ArgumentParser, **flags: Any) -> None:
     group = parser.add_argument_group("worker link")
     group.add_argument("--worker-secret-file",
                        help="file holding the secret shared by scheduler and worker (None: $NANOVLLM_WORKER_SECRET); "
                             "never pass the secret itself on the command line")
-    add_flags(group, WorkerLinkConfig, **flags)  # type: ignore[arg-type]
+    add_flags(group, WorkerLinkConfig, **flags)
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
