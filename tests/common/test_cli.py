@@ -50,3 +50,11 @@ def test_todays_flag_spellings_reach_the_configs() -> None:
     assert (public.reflection, public.shutdown_grace_s) == (False, 2)
     worker = build_parser().parse_args(["worker", "-tp", "2", "--tls-client-ca", "ca.pem"])
     assert (worker.tensor_parallel_size, config_from(WorkerLinkConfig, worker, secret="s").tls_ca) == (2, "ca.pem")
+
+
+def test_no_service_imports_the_cli() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, scheduler_service.serve, worker_service.main; print('common.cli' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
