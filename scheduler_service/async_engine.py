@@ -14,7 +14,7 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.config import SchedulerConfig
+from common.config import SchedulerConfig, WorkerInfo
 from common.sampling_params import SamplingParams
 from scheduler_service.engine_core import TokenUpdate
 from scheduler_service.errors import EngineUnavailableError, WorkerLostError, WorkerStepError
@@ -22,10 +22,10 @@ from scheduler_service.load_report import LoadReport, load_report
 from scheduler_service.metrics import ServiceMetrics
 from scheduler_service.sequence import FinishReason, Sequence
 from scheduler_service.worker_client import WorkerClient
-from scheduler_service.worker_lane import ModelInfo, WorkerLane
+from scheduler_service.worker_lane import WorkerLane
 
 logger = logging.getLogger(__name__)
-__all__ = ["AsyncEngine", "LoadReport", "ModelInfo", "RequestOutput"]
+__all__ = ["AsyncEngine", "LoadReport", "RequestOutput"]
 
 
 @dataclass
@@ -100,7 +100,7 @@ class AsyncEngine:
         return bool(self.ready_lanes) and not self._draining
 
     @property
-    def model_info(self) -> ModelInfo | None:
+    def model_info(self) -> WorkerInfo | None:
         lanes = self.ready_lanes or self.lanes
         return next((lane.model_info for lane in lanes if lane.model_info is not None), None)
 

@@ -20,12 +20,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common import grpc_options
-from common.config import PublicServerConfig
+from common.config import PublicServerConfig, WorkerInfo
 from common.generated.nanovllm.generate.v1 import generate_pb2, generate_pb2_grpc
 from common.sampling_params import SamplingParams
 from scheduler_service import request_conversion as convert
 from scheduler_service.api_keys import ApiKeyInterceptor, ApiKeys
-from scheduler_service.async_engine import LoadReport, ModelInfo, RequestOutput
+from scheduler_service.async_engine import LoadReport, RequestOutput
 from scheduler_service.error_interceptor import ErrorMappingInterceptor
 from scheduler_service.errors import RequestError
 from scheduler_service.metrics import ServiceMetrics
@@ -77,7 +77,7 @@ def check_port_free(host: str, port: int) -> None:
 class Engine(Protocol):
     """What the public server needs of scheduler_service.async_engine.AsyncEngine."""
 
-    model_info: ModelInfo
+    model_info: WorkerInfo
     tokenizer: Any | None
     metrics: ServiceMetrics  # the request metrics are recorded here
 

@@ -1,9 +1,10 @@
 """Engine outputs (RequestOutput deltas) -> public API responses."""
 from __future__ import annotations
 
+from common.config import WorkerInfo
 from common.generated.nanovllm.generate.v1 import generate_pb2
 from common.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
-from scheduler_service.async_engine import LoadReport, ModelInfo, RequestOutput
+from scheduler_service.async_engine import LoadReport, RequestOutput
 from scheduler_service.sequence import FinishReason
 
 FINISH_REASON_TO_PROTO = {
@@ -71,7 +72,7 @@ class ResponseAccumulator:
         return self.response
 
 
-def model_info_response(model_info: ModelInfo, tokenizer: object | None) -> generate_pb2.GetModelInfoResponse:
+def model_info_response(model_info: WorkerInfo, tokenizer: object | None) -> generate_pb2.GetModelInfoResponse:
     return generate_pb2.GetModelInfoResponse(
         model_name=model_info.model_name,
         max_model_len=model_info.max_model_len,

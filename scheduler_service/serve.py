@@ -8,7 +8,6 @@ non-zero with the worker's last error line as its own last line.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -17,9 +16,11 @@ import subprocess
 import sys
 import threading
 
+from common.config import ObservabilityConfig, PublicServerConfig, SchedulerConfig, WorkerConfig, WorkerLinkConfig
+from common.config_flags import to_argv
 from common.worker_link import SECRET_ENV, new_secret
 from scheduler_service.async_engine import AsyncEngine
-from scheduler_service.main import run_scheduler_async
+from scheduler_service.main import SchedulerServiceConfig, run_scheduler_async
 from scheduler_service.public_server import check_port_free
 
 logger = logging.getLogger(__name__)
@@ -31,19 +32,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def worker_command(args: argparse.Namespace, port: int) -> list[str]:
-    return [
-        sys.executable, "-m", "common.cli", "--log-level", args.log_level, "--log-format", args.log_format,
-        "worker",
-        "--model", args.model, "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", args.dtype, "--device", args.device, "--block-size", str(args.block_size),
-        "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-        "--cpu-kv-cache-gb", str(args.cpu_kv_cache_gb), "--num-kv-blocks", str(args.num_kv_blocks),
-        "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-        "--kv-cache-dtype", args.kv_cache_dtype,
-        "--tensor-parallel-size", str(args.tensor_parallel_size),
-        *(["--enforce-eager"] if args.enforce_eager else []),
-    ]
+def worker_command(config: WorkerConfig, observability: ObservabilityConfig, port: int) -> list[str]:
+    """`nanovllm worker` with config's values (the module is named, not imported: no service imports the CLI)."""
+    return [sys.executable, "-m", "common.cli", "--log-level", observability.log_level,
+            "--log-format", observability.log_format, "worker", "--host", "127.0.0.1", "--port", str(port),
+            "--cpu-kv-cache-gb", str(config.cpu_kv_cache_bytes / 2**30), *to_argv(config)]
 
 
 class WorkerStderr:
@@ -66,7 +59,7 @@ class WorkerStderr:
         self._thread.join(timeout=5)
 
 
-async def _serve(args: argparse.Namespace, worker: subprocess.Popen, stderr: WorkerStderr) -> str | None:
+async def _serve(service: SchedulerServiceConfig, worker: subprocess.Popen, stderr: WorkerStderr) -> str | None:
     """Runs the scheduler until a signal or the worker's end; returns why serve failed, if it did."""
     stop = asyncio.Event()
     engines: list[AsyncEngine] = []
@@ -80,14 +73,14 @@ async def _serve(args: argparse.Namespace, worker: subprocess.Popen, stderr: Wor
         await asyncio.to_thread(stderr.join)  # its last line is in
         failures.append(f"the worker exited with code {code}: {stderr.last_line}")
         if engines and engines[0].model_info is not None:  # it was serving: its requests get the timeout
-            logger.error("the worker exited with code %d; stopping in %g s (--worker-timeout)", code,
-                         args.worker_timeout)
-            await asyncio.sleep(args.worker_timeout)
+            timeout_s = service.scheduler.worker_timeout_s
+            logger.error("the worker exited with code %d; stopping in %g s (--worker-timeout)", code, timeout_s)
+            await asyncio.sleep(timeout_s)
         stop.set()
 
     watcher = asyncio.create_task(watch_worker())
     try:
-        await run_scheduler_async(args, args.tokenizer or args.model, stop, engines.append)
+        await run_scheduler_async(service, stop, engines.append)
     finally:
         stopping = True
         # Stopped here, so that the watcher's thread (in worker.wait) ends before the loop does.
@@ -108,26 +101,20 @@ def _stop_worker(worker: subprocess.Popen) -> None:
         worker.wait()
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    if not args.model:
-        from common.default_model import default_model_path
-
-        args.model = default_model_path()
-    from common.cli import scheduler_config_from, worker_config_from
-
-    # Bad options fail here, before anything starts.
-    worker_config_from(args)
-    scheduler_config_from(args)
-    check_port_free(args.host, args.port)  # before loading a model in the worker
+def run_serve(config: WorkerConfig, scheduler: SchedulerConfig, public: PublicServerConfig,
+              observability: ObservabilityConfig, tokenizer: str | None = None) -> int:
+    """Runs a worker process with config and the scheduler with the rest until SIGTERM or SIGINT."""
+    check_port_free(public.host, public.port)  # before loading a model in the worker
     port = _free_port()
-    args.worker = f"127.0.0.1:{port}"
-    # Our scheduler reads it from here; the worker inherits it.
-    os.environ[SECRET_ENV] = new_secret()
-    logger.info("starting a worker for %s on %s", args.model, args.worker)
-    worker = subprocess.Popen(worker_command(args, port), stderr=subprocess.PIPE, text=True, errors="replace")
+    link = WorkerLinkConfig(new_secret())  # the worker inherits it through its environment
+    service = SchedulerServiceConfig(scheduler, public, link, (f"127.0.0.1:{port}",), observability,
+                                     tokenizer or config.model)
+    logger.info("starting a worker for %s on 127.0.0.1:%d", config.model, port)
+    worker = subprocess.Popen(worker_command(config, observability, port), stderr=subprocess.PIPE, text=True,
+                              errors="replace", env={**os.environ, SECRET_ENV: link.secret})
     stderr = WorkerStderr(worker)
     try:
-        failure = asyncio.run(_serve(args, worker, stderr))
+        failure = asyncio.run(_serve(service, worker, stderr))
     finally:
         _stop_worker(worker)
     if failure is not None:

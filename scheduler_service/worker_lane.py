@@ -11,10 +11,10 @@ the others are recomputed on a fresh claim, since the worker's state can no long
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import grpc
 
@@ -31,21 +31,12 @@ logger = logging.getLogger(__name__)
 RECONNECT_DELAY_S = 1.0
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    model_name: str
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    block_size: int
-    num_kv_blocks: int
-
-
 def worker_info_from(describe: worker_pb2.DescribeResponse, num_kv_blocks: int) -> WorkerInfo:
     return WorkerInfo(model_name=describe.model_name, dtype=describe.dtype, block_size=describe.block_size,
                       max_model_len=describe.max_model_len, vocab_size=describe.vocab_size,
                       num_kv_blocks=num_kv_blocks, device=describe.device, max_num_seqs=describe.max_num_seqs,
-                      max_num_batched_tokens=describe.max_num_batched_tokens)
+                      max_num_batched_tokens=describe.max_num_batched_tokens,
+                      eos_token_ids=tuple(describe.eos_token_ids))
 
 
 class WorkerLane:
@@ -63,7 +54,7 @@ class WorkerLane:
         self.metrics = metrics or ServiceMetrics()
         self._was_lost = False  # a worker answered before and then went away
         self.core: EngineCore | None = None
-        self.model_info: ModelInfo | None = None
+        self.model_info: WorkerInfo | None = None
         self.orphans: list[Sequence] = []  # unfinished while no worker is connected
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
@@ -149,8 +140,7 @@ class WorkerLane:
         self._cancel_loss_timer()
         core.adopt([seq for seq in self.orphans if not seq.is_finished])
         self.orphans = []
-        self.model_info = ModelInfo(info.model_name, core.max_model_len, info.vocab_size, tuple(sorted(eos)),
-                                    info.block_size, info.num_kv_blocks)
+        self.model_info = dataclasses.replace(info, max_model_len=core.max_model_len, eos_token_ids=tuple(sorted(eos)))
         self.core = core
         if self._was_lost:
             self.metrics.counters.worker_recoveries += 1

@@ -1,7 +1,6 @@
 """`nanovllm worker`: loads the model, serves Step RPCs until SIGTERM or SIGINT (the same)."""
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -9,6 +8,8 @@ import signal
 import socket
 import sys
 import time
+
+from common.config import WorkerConfig, WorkerLinkConfig
 
 logger = logging.getLogger(__name__)
 
@@ -27,8 +28,7 @@ def check_port_free(host: str, port: int) -> None:
         raise PortInUseError(f"cannot listen on {host}:{port}: {os.strerror(error.errno or 0)}") from None
 
 
-async def _serve(args: argparse.Namespace) -> None:
-    from common.cli import worker_config_from, worker_link_from
+async def _serve(config: WorkerConfig, link: WorkerLinkConfig, host: str, port: int) -> None:
     from worker_service.server import serve_worker
     from worker_service.tp_group import create_worker_core
 
@@ -36,28 +36,24 @@ async def _serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    link = worker_link_from(args)
-    check_port_free(args.host, args.port)
-    if not args.model:
-        from common.default_model import default_model_path
-
-        args.model = default_model_path()
+    check_port_free(host, port)
     started = time.perf_counter()
-    core = await asyncio.to_thread(create_worker_core, worker_config_from(args))
-    logger.info("model %s loaded in %.1f s", args.model, time.perf_counter() - started)
-    server, port = await serve_worker(core, args.host, args.port, link)
-    logger.info("worker ready on %s", args.host if args.host.startswith("/") else f"{args.host}:{port}")
+    core = await asyncio.to_thread(create_worker_core, config)
+    logger.info("model %s loaded in %.1f s", config.model, time.perf_counter() - started)
+    server, port = await serve_worker(core, host, port, link)
+    logger.info("worker ready on %s", host if host.startswith("/") else f"{host}:{port}")
     await stop.wait()
     logger.info("worker stopping")
     await server.stop(5)
     core.close()
 
 
-def run_worker(args: argparse.Namespace) -> int:
+def run_worker(config: WorkerConfig, link: WorkerLinkConfig, host: str, port: int) -> int:
+    """Serves Step RPCs on host:port (or the unix socket path host) until SIGTERM or SIGINT."""
     from worker_service.server import PortInUseError
 
     try:
-        asyncio.run(_serve(args))
+        asyncio.run(_serve(config, link, host, port))
     except PortInUseError as error:
         print(f"nanovllm worker: {error}", file=sys.stderr)
         return 1

@@ -18,3 +18,43 @@ def test_bad_option_values_exit_2_naming_the_option(args: list[str], message: st
     result = run_cli(*args)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == f"nanovllm {args[0]}: {message}"
+
+
+def test_serve_hands_every_worker_field_to_its_worker_command() -> None:
+    from common.cli import build_parser, worker_config
+    from common.config import ObservabilityConfig, WorkerConfig
+    from scheduler_service.serve import worker_command
+
+    config = WorkerConfig("m.gguf", dtype="float16", device="cpu", block_size=32, max_model_len=77,
+                          gpu_memory_utilization=0.5, cpu_kv_cache_bytes=3 << 28, num_kv_blocks=9, enforce_eager=True,
+                          attention_backend="torch", kv_cache_dtype="fp8", seed=5, max_num_seqs=3,
+                          max_num_batched_tokens=99, tensor_parallel_size=2, cpu_weight_format="int4")
+    argv = worker_command(config, ObservabilityConfig(log_level="DEBUG"), 1234)
+    args = build_parser().parse_args(argv[argv.index("common.cli") + 1:])
+    assert (worker_config(args), args.log_level, args.port) == (config, "DEBUG", 1234)
+
+
+def test_todays_flag_spellings_reach_the_configs() -> None:
+    from common.cli import build_parser
+    from common.config import PublicServerConfig, SchedulerConfig, WorkerLinkConfig
+    from common.config_flags import config_from
+
+    args = build_parser().parse_args(["scheduler", "--worker", "w:1", "--no-prefix-caching", "--worker-timeout", "5",
+                                      "--worker-takeover", "--worker-tls-ca", "ca.pem", "--no-reflection",
+                                      "--shutdown-grace", "2"])
+    assert not config_from(SchedulerConfig, args).enable_prefix_caching
+    assert config_from(SchedulerConfig, args).worker_timeout_s == 5
+    link = config_from(WorkerLinkConfig, args, prefix="worker-", secret="s")
+    assert (link.takeover, link.tls_ca) == (True, "ca.pem")
+    public = config_from(PublicServerConfig, args)
+    assert (public.reflection, public.shutdown_grace_s) == (False, 2)
+    worker = build_parser().parse_args(["worker", "-tp", "2", "--tls-client-ca", "ca.pem"])
+    assert (worker.tensor_parallel_size, config_from(WorkerLinkConfig, worker, secret="s").tls_ca) == (2, "ca.pem")
+
+
+def test_no_service_imports_the_cli() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, scheduler_service.serve, worker_service.main; print('common.cli' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"

@@ -8,8 +8,9 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+from common.config import WorkerInfo
 from common.sampling_params import SamplingParams
-from scheduler_service.async_engine import ModelInfo, RequestOutput
+from scheduler_service.async_engine import RequestOutput
 from scheduler_service.errors import EngineUnavailableError, QueueFullError, RequestError
 from scheduler_service.load_report import LoadReport, WorkerLoad
 from scheduler_service.metrics import ServiceMetrics
@@ -59,8 +60,9 @@ class FakeEngine:
     """Implements the AsyncEngine interface with scripted outputs; flags switch failure modes."""
 
     def __init__(self, tokenizer: Any | None, *, max_model_len: int = 32, vocab_size: int = 20) -> None:
-        self.model_info = ModelInfo(model_name="fake-model", max_model_len=max_model_len, vocab_size=vocab_size,
-                                    eos_token_ids=(EOS_ID,), block_size=16, num_kv_blocks=8)
+        self.model_info = WorkerInfo(model_name="fake-model", dtype="float32", block_size=16,
+                                     max_model_len=max_model_len, vocab_size=vocab_size, num_kv_blocks=8,
+                                     device="cpu", eos_token_ids=(EOS_ID,))
         self.tokenizer = tokenizer
         self.metrics = ServiceMetrics()
         self.ready = True

@@ -81,15 +81,16 @@ def test_torch_backend_over_fp8_is_attention_over_the_dequantized_cache() -> Non
 
 
 def test_cli_flag_reaches_the_worker_config_and_serve_forwards_it() -> None:
-    from common.cli import build_parser, worker_config_from
+    from common.cli import build_parser, worker_config
+    from common.config import ObservabilityConfig
     from scheduler_service.serve import worker_command
 
     args = build_parser().parse_args(["serve", "--model", "m.gguf", "--kv-cache-dtype", "fp8"])
-    assert worker_config_from(args).kv_cache_dtype == "fp8"
-    command = worker_command(args, 1234)
+    assert worker_config(args).kv_cache_dtype == "fp8"
+    command = worker_command(worker_config(args), ObservabilityConfig(), 1234)
     assert command[command.index("--kv-cache-dtype") + 1] == "fp8"
     worker = build_parser().parse_args(["worker", "--model", "m.gguf"])
-    assert worker_config_from(worker).kv_cache_dtype == "auto"
+    assert worker_config(worker).kv_cache_dtype == "auto"
 
 
 def test_model_runner_serves_from_an_fp8_cache(tmp_path) -> None:
