@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,7 +19,7 @@ import grpc
 
 from common.config import SchedulerConfig, WorkerInfo
 from common.generated.nanovllm.worker.v1 import worker_pb2
-from scheduler_service.engine_core import EngineCore, InFlightStep, TokenUpdate
+from scheduler_service.engine_core import EngineCore, InFlightStep, TokenUpdate, drive
 from scheduler_service.errors import WorkerLostError, WorkerStepError
 from scheduler_service.metrics import ServiceMetrics
 from scheduler_service.sequence import FinishReason, Sequence
@@ -205,36 +204,22 @@ class WorkerLane:
     async def _drive(self) -> None:
         core = self.core
         assert core is not None
-        in_flight: tuple[InFlightStep, asyncio.Task] | None = None
-        # When the last step's result arrived, while steps follow each other with no idle gap: the
-        # time to the next result is the engine's step period (GPU time plus unhidden overhead).
-        last_result: float | None = None
+
+        def launch(step: InFlightStep, ahead: InFlightStep | None) -> asyncio.Task:
+            return asyncio.create_task(self.worker.step(step.request, self._step_timeout_s(step, ahead)))
+
+        def on_step(step: InFlightStep, updates: list[TokenUpdate], period_s: float | None) -> None:
+            self.on_updates(updates)
+            self.metrics.observe_step(core, period_s)
+
+        def on_error(step: InFlightStep, error: BaseException) -> None:
+            if classify(error) is WorkerFault.PROTOCOL:
+                self._fail_step(core, step, error)  # type: ignore[arg-type]
+                raise StepFailedError from error
+
         while True:
-            if in_flight is None and not core.has_unfinished:
-                await self._idle(core)
-                continue
-            step = core.build_step()
-            task = None
-            if step is not None:
-                timeout_s = self._step_timeout_s(step, in_flight[0] if in_flight is not None else None)
-                task = asyncio.create_task(self.worker.step(step.request, timeout_s))
-            if in_flight is not None:
-                try:
-                    response = await in_flight[1]
-                except BaseException as error:
-                    if task is not None:
-                        task.cancel()
-                    if classify(error) is WorkerFault.PROTOCOL:
-                        self._fail_step(core, in_flight[0], error)  # type: ignore[arg-type]
-                        raise StepFailedError from error
-                    raise
-                self.on_updates(core.process_step(in_flight[0], response))
-                now = time.perf_counter()
-                self.metrics.observe_step(core, None if last_result is None else now - last_result)
-                last_result = now if step is not None else None
-            elif step is None:
-                raise RuntimeError("requests are waiting but none can be scheduled")
-            in_flight = (step, task) if step is not None else None
+            await drive(core, launch, on_step, on_error)
+            await self._idle(core)
 
     async def _idle(self, core: EngineCore) -> None:
         released = core.take_released_seq_ids()

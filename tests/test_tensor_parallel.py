@@ -13,7 +13,7 @@ import torch
 from common import SamplingParams
 from common.client import GenerationClient
 from common.config import WorkerConfig
-from scheduler_service import LLM
+from offline import LLM
 from tests.services_harness import cli as start_cli
 from tests.services_harness import free_port, run_cli, start_scheduler, stop, wait_until
 from tests.test_engine_parity import make_prompts, token_ids
