@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Coroutine, Generator
+from collections.abc import Coroutine
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
@@ -96,29 +96,19 @@ class LLM:
             engine.validate(tokens)
         sequences = [engine.add_request(t, p, self.tokenizer) for t, p in zip(token_lists, params_list, strict=True)]
         progress = _Progress(len(sequences), use_tqdm)
-        _run_to_end(drive(engine, lambda step, ahead: _LocalStep(worker.launch(step.request)), progress.on_step))
+        _run_to_end(drive(engine, lambda step, ahead: _read_back(worker.launch(step.request)), progress.on_step))
         progress.bar.close()
         return [_result(seq) for seq in sequences]
 
 
-class _LocalStep:
-    """A step launched in this process. Awaiting it waits for its tokens, while the GPU already
-    runs the step launched after it; it never suspends."""
-
-    def __init__(self, pending: PendingStep) -> None:
-        self.pending = pending
-
-    def __await__(self) -> Generator[Any, None, worker_pb2.StepResponse]:
-        yield from ()
-        return self.pending.result()
-
-    def cancel(self) -> None:
-        """Nothing to cancel: a launched step runs to its end."""
+async def _read_back(pending: PendingStep) -> worker_pb2.StepResponse:
+    """Waits for a step's tokens (the GPU runs the next step meanwhile), without suspending."""
+    return pending.result()
 
 
 def _run_to_end(coroutine: Coroutine[Any, Any, None]) -> None:
     """Runs drive() without an event loop (so generate works inside one too, as in a notebook):
-    it awaits only _LocalSteps, so one send runs it to its end."""
+    it awaits only _read_back, so one send runs it to its end."""
     with contextlib.suppress(StopIteration):
         coroutine.send(None)
         raise RuntimeError("the offline step loop suspended")
@@ -153,10 +143,8 @@ def _result(seq: Sequence) -> dict[str, Any]:
 
 
 def _broadcast_params(params: SamplingParams | SequenceABC[SamplingParams] | None, count: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * count
-    if isinstance(params, SamplingParams):
-        return [params] * count
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * count
     params = list(params)
     if len(params) != count:
         raise ValueError(f"sampling_params: {len(params)} given for {count} prompts")

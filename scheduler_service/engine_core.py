@@ -8,9 +8,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 from common.config import SchedulerConfig, WorkerInfo
 from common.generated.nanovllm.worker.v1 import worker_pb2
@@ -193,23 +192,15 @@ class EngineCore:
         return reason, matched_stop
 
 
-class LaunchedStep(Protocol):
-    """A step on its way through a worker: awaited for the worker's reply, or cancelled."""
-
-    def __await__(self) -> Generator[Any, None, worker_pb2.StepResponse]: ...
-
-    def cancel(self) -> object: ...
-
-
-async def drive(core: EngineCore, launch: Callable[[InFlightStep, InFlightStep | None], LaunchedStep],
+async def drive(core: EngineCore,
+                launch: Callable[[InFlightStep, InFlightStep | None], Awaitable[worker_pb2.StepResponse]],
                 on_step: Callable[[InFlightStep, list[TokenUpdate], float | None], None],
                 on_error: Callable[[InFlightStep, BaseException], None] | None = None) -> None:
-    """Runs steps until core has nothing unfinished and nothing in flight, one step ahead: step N+1
-    is launched before step N is read back. launch(step, ahead) starts a step (ahead: the one in
-    flight before it); on_step(step, updates, period_s) gets each step's updates in order, with
-    the time since the previous result while steps follow each other with no idle gap (the
-    engine's step period); on_error(step, error) sees a failed read-back before it propagates."""
-    in_flight: tuple[InFlightStep, LaunchedStep] | None = None
+    """Runs steps until core has nothing unfinished or in flight, step N+1 launched before step N
+    is read back. launch(step, ahead) starts a step (ahead: the one in flight before it);
+    on_step(step, updates, period_s) gets each step's updates in order, with the time since the
+    last result while steps follow with no idle gap; on_error(step, error) sees a failed read-back."""
+    in_flight: tuple[InFlightStep, Awaitable[worker_pb2.StepResponse]] | None = None
     last_result: float | None = None
     while core.has_unfinished or in_flight is not None:
         step = core.build_step()
@@ -220,8 +211,6 @@ async def drive(core: EngineCore, launch: Callable[[InFlightStep, InFlightStep |
             try:
                 response = await pending
             except BaseException as error:
-                if launched is not None:
-                    launched[1].cancel()
                 if on_error is not None:
                     on_error(done, error)
                 raise

@@ -185,12 +185,6 @@ class WorkerLane:
             self._loss_timer.cancel()
             self._loss_timer = None
 
-    def _step_timeout_s(self, step: InFlightStep, ahead: InFlightStep | None) -> float:
-        """Generous: the base plus per-token time for this step and the one ahead of it, which the
-        worker finishes first."""
-        num_tokens = step.num_tokens + (ahead.num_tokens if ahead is not None else 0)
-        return self.config.step_timeout_base_s + self.config.step_timeout_per_token_s * num_tokens
-
     def _fail_step(self, core: EngineCore, step: InFlightStep, error: grpc.aio.AioRpcError) -> None:
         """Ends the step's requests with INTERNAL, logged once here."""
         failed = [seq for seq, _ in step.scheduled.values() if not seq.is_finished]
@@ -204,15 +198,24 @@ class WorkerLane:
     async def _drive(self) -> None:
         core = self.core
         assert core is not None
+        last_launched: asyncio.Task | None = None
 
         def launch(step: InFlightStep, ahead: InFlightStep | None) -> asyncio.Task:
-            return asyncio.create_task(self.worker.step(step.request, self._step_timeout_s(step, ahead)))
+            nonlocal last_launched
+            # A generous deadline: the base plus per-token time for this step and the one ahead of
+            # it, which the worker finishes first.
+            num_tokens = step.num_tokens + (ahead.num_tokens if ahead is not None else 0)
+            timeout_s = self.config.step_timeout_base_s + self.config.step_timeout_per_token_s * num_tokens
+            last_launched = asyncio.create_task(self.worker.step(step.request, timeout_s))
+            return last_launched
 
         def on_step(step: InFlightStep, updates: list[TokenUpdate], period_s: float | None) -> None:
             self.on_updates(updates)
             self.metrics.observe_step(core, period_s)
 
         def on_error(step: InFlightStep, error: BaseException) -> None:
+            if last_launched is not None:
+                last_launched.cancel()  # the step after the failed one (or that one, done: a no-op)
             if classify(error) is WorkerFault.PROTOCOL:
                 self._fail_step(core, step, error)  # type: ignore[arg-type]
                 raise StepFailedError from error

@@ -36,7 +36,7 @@ def run_follower(rank: int, world_size: int, config: WorkerConfig, init_address:
     init_tensor_parallel(rank, world_size, init_address, device)
     from worker_service.worker import WorkerCore  # after the group exists: layers read their rank
 
-    if device.type == "cuda" and not config.enforce_eager:  # as rank 0 does (tp_group.set_process_switches)
+    if device.type == "cuda" and not config.enforce_eager:  # as rank 0 does (tp_group.create_worker_core)
         fused_kernels.enable()
 
     core = WorkerCore(config)

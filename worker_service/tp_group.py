@@ -33,17 +33,11 @@ logger = logging.getLogger(__name__)
 
 def create_worker_core(config: WorkerConfig) -> WorkerCore | TensorParallelCore:
     """The worker of config: a WorkerCore, or rank 0 of a tensor-parallel group."""
-    set_process_switches(config, resolve_device(config.device))
+    if resolve_device(config.device).type == "cuda" and not config.enforce_eager:
+        fused_kernels.enable()  # process-wide, so set where the worker starts (tp_follower: other ranks)
     if config.tensor_parallel_size == 1:
         return WorkerCore(config)
     return TensorParallelCore(config)
-
-
-def set_process_switches(config: WorkerConfig, device: torch.device) -> None:
-    """What a worker sets for its whole process, where it starts (here for rank 0, in tp_follower
-    for the others): compiled fused kernels on GPUs unless enforce_eager."""
-    if device.type == "cuda" and not config.enforce_eager:
-        fused_kernels.enable()
 
 
 def check_tensor_parallel(config: WorkerConfig) -> None:

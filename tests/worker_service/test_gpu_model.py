@@ -58,13 +58,13 @@ def teacher_forced_logits(checkpoint: Path, tokens: list[int], prompt_len: int) 
     """Our bf16 logits at positions prompt_len-1 .. len-2: the prompt in two prefill chunks, then
     one decode step per token, replayed through the CUDA graph."""
     from worker_service.batch import ScheduledChunk, build_model_input
+    from worker_service.layers import fused_kernels
     from worker_service.model_runner import ModelRunner
     from worker_service.sequence_state import WorkerSequence
-    from worker_service.tp_group import set_process_switches
 
     config = WorkerConfig(model=str(checkpoint), device="cuda", dtype="bfloat16", block_size=16, num_kv_blocks=64,
                           max_num_seqs=4, max_num_batched_tokens=512)
-    set_process_switches(config, torch.device("cuda"))  # compiled kernels, as a worker runs them
+    fused_kernels.enable()  # as a worker sets at start
     runner = ModelRunner(config)
     runner.init_cache(64)
     assert runner.graphs is not None
