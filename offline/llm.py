@@ -26,20 +26,15 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """`LLM(model_path, **options).generate(prompts, sampling_params)`, as nano-vllm's; a context
-    manager, or call close() to free the model and its memory.
-
-    Options are the fields of SchedulerConfig and WorkerConfig (block_size, max_num_seqs,
-    max_num_batched_tokens, max_model_len, num_kv_blocks, dtype, device, tensor_parallel_size, ...).
-    With tensor_parallel_size > 1 this process is rank 0 and the other ranks are child processes
-    until close().
-    """
+    """`LLM(model_path, **options).generate(prompts, sampling_params)`, as nano-vllm's. Options are
+    the fields of SchedulerConfig and WorkerConfig (block_size, max_num_seqs, num_kv_blocks, dtype,
+    device, tensor_parallel_size, ...); with tensor_parallel_size > 1 the other ranks are child
+    processes. A context manager: close() frees the model and its memory and stops those ranks."""
 
     def __init__(self, model: str, **options: Any) -> None:
         scheduler_options, worker_options = split_options(options)
         self.scheduler_config = SchedulerConfig(**scheduler_options)
         worker_config = WorkerConfig(model=model, **worker_options)
-        self.engine: EngineCore | None = None
         self.worker: WorkerCore | TensorParallelCore | None = create_worker_core(worker_config)
         try:
             describe = self.worker.describe()
@@ -65,9 +60,8 @@ class LLM:
         graphs. Idempotent; the LLM cannot generate afterwards."""
         if self.worker is not None:
             self.worker.close()
-        self.worker = self.engine = None
-        # Start-up froze the worker's objects out of the collector's sight (common/gc_pauses.py),
-        # reference cycles between the steps and the worker among them: back in sight, they go.
+        self.worker = None  # the engine stays: its counters are still read after close()
+        # Start-up froze the worker's cycles (steps and worker) out of the collector's sight (gc_pauses).
         gc.unfreeze()
         gc.collect()
         if torch.cuda.is_initialized():
@@ -85,11 +79,10 @@ class LLM:
                  use_tqdm: bool = True) -> list[dict[str, Any]]:
         """Returns {"text", "token_ids", "finish_reason"} per prompt, in prompt order."""
         engine, worker = self.engine, self.worker
-        if engine is None or worker is None:
+        if worker is None:
             raise RuntimeError("generate: this LLM is closed")
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        is_one = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        prompts = [prompts] if is_one else list(prompts)  # type: ignore[list-item,arg-type]
         params_list = _broadcast_params(sampling_params, len(prompts))
         token_lists = [self.encode(p) for p in prompts]
         for tokens in token_lists:  # all of them before any is queued

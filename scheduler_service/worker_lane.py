@@ -222,15 +222,12 @@ class WorkerLane:
 
         while True:
             await drive(core, launch, on_step, on_error)
-            await self._idle(core)
-
-    async def _idle(self, core: EngineCore) -> None:
-        released = core.take_released_seq_ids()
-        if released:
-            await self.worker.release(released)
-        self.wakeup.clear()
-        if not core.has_unfinished and not core.scheduler.has_released_seq_ids:
-            await self.wakeup.wait()
+            released = core.take_released_seq_ids()  # idle: no step comes to carry them
+            if released:
+                await self.worker.release(released)
+            self.wakeup.clear()
+            if not core.has_unfinished and not core.scheduler.has_released_seq_ids:
+                await self.wakeup.wait()
 
 
 def _describe(error: BaseException) -> str:
