@@ -34,12 +34,9 @@ OPTIONS = dict(block_size=16, num_kv_blocks=12, max_num_batched_tokens=24, devic
 
 def generate_twice(path: Path, prompts: list[list[int]], **options) -> tuple[list[list[int]], LLM]:
     """The first prompt alone, then all (sharing its prefix): the tokens of both calls."""
-    llm = LLM(str(path), **OPTIONS, **options)
-    try:
+    with LLM(str(path), **OPTIONS, **options) as llm:
         first = token_ids(llm.generate(prompts[:1], GREEDY, use_tqdm=False))
         return first + token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)), llm
-    finally:
-        llm.close()
 
 
 @pytest.mark.parametrize("name", list(MODELS))
