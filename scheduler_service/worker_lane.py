@@ -185,16 +185,6 @@ class WorkerLane:
             self._loss_timer.cancel()
             self._loss_timer = None
 
-    def _fail_step(self, core: EngineCore, step: InFlightStep, error: grpc.aio.AioRpcError) -> None:
-        """Ends the step's requests with INTERNAL, logged once here."""
-        failed = [seq for seq, _ in step.scheduled.values() if not seq.is_finished]
-        logger.error("worker %s failed step %d (%s): failing its %d requests, recomputing the others",
-                     self.worker.address, step.step_id, _describe(error), len(failed))
-        for seq in failed:
-            core.abort(seq)
-        self.on_failure(self, WorkerStepError("internal error: the worker failed this request's step; see the "
-                                              "scheduler log"), failed)
-
     async def _drive(self) -> None:
         core = self.core
         assert core is not None
@@ -216,9 +206,17 @@ class WorkerLane:
         def on_error(step: InFlightStep, error: BaseException) -> None:
             if last_launched is not None:
                 last_launched.cancel()  # the step after the failed one (or that one, done: a no-op)
-            if classify(error) is WorkerFault.PROTOCOL:
-                self._fail_step(core, step, error)  # type: ignore[arg-type]
-                raise StepFailedError from error
+            if classify(error) is not WorkerFault.PROTOCOL:
+                return
+            # The step's requests end with INTERNAL, logged once here; the others are recomputed.
+            failed = [seq for seq, _ in step.scheduled.values() if not seq.is_finished]
+            logger.error("worker %s failed step %d (%s): failing its %d requests, recomputing the others",
+                         self.worker.address, step.step_id, _describe(error), len(failed))
+            for seq in failed:
+                core.abort(seq)
+            self.on_failure(self, WorkerStepError("internal error: the worker failed this request's step; see the "
+                                                  "scheduler log"), failed)
+            raise StepFailedError from error
 
         while True:
             await drive(core, launch, on_step, on_error)
