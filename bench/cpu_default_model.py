@@ -36,7 +36,7 @@ def best_of(repeats: int, run: Callable[[], float]) -> float:
 
 def ours_engine(path: Path, weight_format: str, new_tokens: int) -> Engine:
     from common import SamplingParams
-    from scheduler_service import LLM
+    from offline import LLM
 
     llm = LLM(str(path), block_size=16, cpu_kv_cache_bytes=1 << 29, device="cpu", cpu_weight_format=weight_format)
 

@@ -31,6 +31,7 @@ from common.config import WorkerConfig  # noqa: E402
 from common.generated.nanovllm.worker.v1 import worker_pb2  # noqa: E402
 from worker_service.attention.kv_quant import FP8_MAX  # noqa: E402
 from worker_service.batch import ScheduledChunk, build_model_input  # noqa: E402
+from worker_service.layers import fused_kernels  # noqa: E402
 from worker_service.model_runner import ModelRunner  # noqa: E402
 from worker_service.sequence_state import WorkerSequence  # noqa: E402
 
@@ -75,6 +76,8 @@ def make_runner(model: str, device: str, dtype: str, kv_cache_dtype: str, num_bl
     config = WorkerConfig(model=model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                           block_size=BLOCK_SIZE, num_kv_blocks=num_blocks, max_num_seqs=4,
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=num_blocks * BLOCK_SIZE)
+    if device == "cuda":
+        fused_kernels.enable()  # as a worker does at start
     runner = ModelRunner(config)
     runner.init_cache(num_blocks)
     return runner

@@ -22,7 +22,7 @@ def main() -> int:
     from bench.random_checkpoint import make_random_checkpoint
     from bench.workload import bench_workload
     from common import SamplingParams
-    from scheduler_service import LLM
+    from offline import LLM
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--num-seqs", type=int, default=256)

@@ -92,7 +92,7 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 def run_inprocess(args: argparse.Namespace, model: str) -> dict:
     from common import SamplingParams
-    from scheduler_service import LLM
+    from offline import LLM
 
     llm = LLM(model, **engine_options(args))
     llm.generate([[1] * 100] * 8, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)

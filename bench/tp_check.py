@@ -28,15 +28,12 @@ def prompts(vocab_size: int, count: int = 8) -> list[list[int]]:
 
 def greedy(model: str, batch: list[list[int]], tensor_parallel_size: int, enforce_eager: bool) -> list[list[int]]:
     from common import SamplingParams
-    from scheduler_service import LLM
+    from offline import LLM
 
-    llm = LLM(model, device="cuda", dtype="float32", block_size=16, num_kv_blocks=512, max_num_seqs=16,
-              max_num_batched_tokens=512, enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size)
-    try:
-        params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    with LLM(model, device="cuda", dtype="float32", block_size=16, num_kv_blocks=512, max_num_seqs=16,
+             max_num_batched_tokens=512, enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size) as llm:
         return [r["token_ids"] for r in llm.generate(batch, params, use_tqdm=False)]
-    finally:
-        llm.close()
 
 
 def _teacher_forced_rank(rank: int, model: str, sequences: list[tuple[list[int], int]], address: str,

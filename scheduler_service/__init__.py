@@ -1,5 +1,2 @@
 """The scheduler service: sequences, block manager, scheduler, engine loop, tokenizer and
-detokenizer, the public gRPC server. Never imports torch."""
-from scheduler_service.llm import LLM
-
-__all__ = ["LLM"]
+detokenizer, the public gRPC server. Never imports torch; the offline LLM is in offline/."""

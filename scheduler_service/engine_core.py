@@ -1,14 +1,14 @@
 """The engine: validates requests, runs the scheduler, turns worker replies into token updates.
 
-A step is split into build_step() and process_step(), so that an asynchronous loop can put step
-N+1 on the wire before step N's tokens return (one step of lookahead); the offline LLM simply
-calls them back to back.
+A step is split into build_step() and process_step(), so that drive() can launch step N+1 before
+step N's tokens return (one step of lookahead): the one loop of the worker lanes and the offline LLM.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from common.config import SchedulerConfig, WorkerInfo
@@ -190,3 +190,34 @@ class EngineCore:
         if detokenizer.add_token(token_id) is not None and reason is not FinishReason.STOP:
             return FinishReason.STOP_SEQUENCE, detokenizer.matched_stop
         return reason, matched_stop
+
+
+async def drive(core: EngineCore,
+                launch: Callable[[InFlightStep, InFlightStep | None], Awaitable[worker_pb2.StepResponse]],
+                on_step: Callable[[InFlightStep, list[TokenUpdate], float | None], None],
+                on_error: Callable[[InFlightStep, BaseException], None] | None = None) -> None:
+    """Runs steps until core has nothing unfinished or in flight, step N+1 launched before step N
+    is read back. launch(step, ahead) starts a step (ahead: the one in flight before it);
+    on_step(step, updates, period_s) gets each step's updates in order, with the time since the
+    last result while steps follow with no idle gap; on_error(step, error) sees a failed read-back."""
+    in_flight: tuple[InFlightStep, Awaitable[worker_pb2.StepResponse]] | None = None
+    last_result: float | None = None
+    while core.has_unfinished or in_flight is not None:
+        step = core.build_step()
+        ahead = in_flight[0] if in_flight is not None else None
+        launched = (step, launch(step, ahead)) if step is not None else None
+        if in_flight is not None:
+            done, pending = in_flight
+            try:
+                response = await pending
+            except BaseException as error:
+                if on_error is not None:
+                    on_error(done, error)
+                raise
+            updates = core.process_step(done, response)
+            now = time.perf_counter()
+            on_step(done, updates, None if last_result is None else now - last_result)
+            last_result = now if launched is not None else None
+        elif launched is None:
+            raise RuntimeError("requests are waiting but none can be scheduled")
+        in_flight = launched

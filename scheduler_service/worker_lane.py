@@ -13,14 +13,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
 from collections.abc import Callable
 
 import grpc
 
 from common.config import SchedulerConfig, WorkerInfo
 from common.generated.nanovllm.worker.v1 import worker_pb2
-from scheduler_service.engine_core import EngineCore, InFlightStep, TokenUpdate
+from scheduler_service.engine_core import EngineCore, InFlightStep, TokenUpdate, drive
 from scheduler_service.errors import WorkerLostError, WorkerStepError
 from scheduler_service.metrics import ServiceMetrics
 from scheduler_service.sequence import FinishReason, Sequence
@@ -176,63 +175,47 @@ class WorkerLane:
             self._loss_timer.cancel()
             self._loss_timer = None
 
-    def _step_timeout_s(self, step: InFlightStep, ahead: InFlightStep | None) -> float:
-        """Generous: the base plus per-token time for this step and the one ahead of it, which the
-        worker finishes first."""
-        num_tokens = step.num_tokens + (ahead.num_tokens if ahead is not None else 0)
-        return self.config.step_timeout_base_s + self.config.step_timeout_per_token_s * num_tokens
-
-    def _fail_step(self, core: EngineCore, step: InFlightStep, error: grpc.aio.AioRpcError) -> None:
-        """Ends the step's requests with INTERNAL, logged once here."""
-        failed = [seq for seq, _ in step.scheduled.values() if not seq.is_finished]
-        logger.error("worker %s failed step %d (%s): failing its %d requests, recomputing the others",
-                     self.worker.address, step.step_id, _describe(error), len(failed))
-        for seq in failed:
-            core.abort(seq)
-        self.on_failure(self, WorkerStepError("internal error: the worker failed this request's step; see the "
-                                              "scheduler log"), failed)
-
     async def _drive(self) -> None:
         core = self.core
         assert core is not None
-        in_flight: tuple[InFlightStep, asyncio.Task] | None = None
-        # When the last step's result arrived, while steps follow each other with no idle gap: the
-        # time to the next result is the engine's step period (GPU time plus unhidden overhead).
-        last_result: float | None = None
-        while True:
-            if in_flight is None and not core.has_unfinished:
-                await self._idle(core)
-                continue
-            step = core.build_step()
-            task = None
-            if step is not None:
-                timeout_s = self._step_timeout_s(step, in_flight[0] if in_flight is not None else None)
-                task = asyncio.create_task(self.worker.step(step.request, timeout_s))
-            if in_flight is not None:
-                try:
-                    response = await in_flight[1]
-                except BaseException as error:
-                    if task is not None:
-                        task.cancel()
-                    if classify(error) is WorkerFault.PROTOCOL:
-                        self._fail_step(core, in_flight[0], error)  # type: ignore[arg-type]
-                        raise StepFailedError from error
-                    raise
-                self.on_updates(core.process_step(in_flight[0], response))
-                now = time.perf_counter()
-                self.metrics.observe_step(core, None if last_result is None else now - last_result)
-                last_result = now if step is not None else None
-            elif step is None:
-                raise RuntimeError("requests are waiting but none can be scheduled")
-            in_flight = (step, task) if step is not None else None
+        last_launched: asyncio.Task | None = None
 
-    async def _idle(self, core: EngineCore) -> None:
-        released = core.take_released_seq_ids()
-        if released:
-            await self.worker.release(released)
-        self.wakeup.clear()
-        if not core.has_unfinished and not core.scheduler.has_released_seq_ids:
-            await self.wakeup.wait()
+        def launch(step: InFlightStep, ahead: InFlightStep | None) -> asyncio.Task:
+            nonlocal last_launched
+            # A generous deadline: the base plus per-token time for this step and the one ahead of
+            # it, which the worker finishes first.
+            num_tokens = step.num_tokens + (ahead.num_tokens if ahead is not None else 0)
+            timeout_s = self.config.step_timeout_base_s + self.config.step_timeout_per_token_s * num_tokens
+            last_launched = asyncio.create_task(self.worker.step(step.request, timeout_s))
+            return last_launched
+
+        def on_step(step: InFlightStep, updates: list[TokenUpdate], period_s: float | None) -> None:
+            self.on_updates(updates)
+            self.metrics.observe_step(core, period_s)
+
+        def on_error(step: InFlightStep, error: BaseException) -> None:
+            if last_launched is not None:
+                last_launched.cancel()  # the step after the failed one (or that one, done: a no-op)
+            if classify(error) is not WorkerFault.PROTOCOL:
+                return
+            # The step's requests end with INTERNAL, logged once here; the others are recomputed.
+            failed = [seq for seq, _ in step.scheduled.values() if not seq.is_finished]
+            logger.error("worker %s failed step %d (%s): failing its %d requests, recomputing the others",
+                         self.worker.address, step.step_id, _describe(error), len(failed))
+            for seq in failed:
+                core.abort(seq)
+            self.on_failure(self, WorkerStepError("internal error: the worker failed this request's step; see the "
+                                                  "scheduler log"), failed)
+            raise StepFailedError from error
+
+        while True:
+            await drive(core, launch, on_step, on_error)
+            released = core.take_released_seq_ids()  # idle: no step comes to carry them
+            if released:
+                await self.worker.release(released)
+            self.wakeup.clear()
+            if not core.has_unfinished and not core.scheduler.has_released_seq_ids:
+                await self.wakeup.wait()
 
 
 def _describe(error: BaseException) -> str:

@@ -9,7 +9,7 @@ import torch
 
 from common import SamplingParams
 from common.default_model import default_model_path
-from scheduler_service import LLM
+from offline import LLM
 from tests.tiny_models import hf_greedy_continuations
 
 CHATS = [

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from common import SamplingParams
-from scheduler_service import LLM
+from offline import LLM
 from tests.tiny_models import hf_greedy_generate, make_tiny_checkpoint
 
 NUM_NEW_TOKENS = 64

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from common import SamplingParams
-from scheduler_service import LLM
+from offline import LLM
 from tests.tiny_models import make_tiny_checkpoint
 
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=40, ignore_eos=True)

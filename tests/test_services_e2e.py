@@ -12,7 +12,7 @@ import pytest
 
 from common import SamplingParams
 from common.client import GenerationClient
-from scheduler_service import LLM
+from offline import LLM
 from tests.services_harness import (
     InProcessScheduler,
     free_port,

@@ -13,7 +13,7 @@ import torch
 from common import SamplingParams
 from common.client import GenerationClient
 from common.config import WorkerConfig
-from scheduler_service import LLM
+from offline import LLM
 from tests.services_harness import cli as start_cli
 from tests.services_harness import free_port, run_cli, start_scheduler, stop, wait_until
 from tests.test_engine_parity import make_prompts, token_ids
@@ -34,12 +34,9 @@ OPTIONS = dict(block_size=16, num_kv_blocks=12, max_num_batched_tokens=24, devic
 
 def generate_twice(path: Path, prompts: list[list[int]], **options) -> tuple[list[list[int]], LLM]:
     """The first prompt alone, then all (sharing its prefix): the tokens of both calls."""
-    llm = LLM(str(path), **OPTIONS, **options)
-    try:
+    with LLM(str(path), **OPTIONS, **options) as llm:
         first = token_ids(llm.generate(prompts[:1], GREEDY, use_tqdm=False))
         return first + token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)), llm
-    finally:
-        llm.close()
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -22,7 +22,7 @@ from common.client import GenerationClient
 from common.config import SchedulerConfig, WorkerLinkConfig
 from common.generated.nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
 from common.worker_link import SECRET_ENV, secret_metadata
-from scheduler_service import LLM
+from offline import LLM
 from tests.certificates import CertificateAuthority, write_pem_files
 from tests.services_harness import (
     REPO_ROOT,

@@ -18,7 +18,6 @@ from worker_service.cpu_quantization import resolve_cpu_weight_format
 from worker_service.cuda_graphs import DecodeGraphs
 from worker_service.decode_plan import DecodePlan, stack_outputs
 from worker_service.distributed import broadcast_from_first, min_over_ranks, tp_rank, tp_size
-from worker_service.layers import fused_kernels
 from worker_service.memory_profile import profile_peak_memory
 from worker_service.model_loading import load_checkpoint
 from worker_service.sampling.sampler import Sampler, SamplerOutput
@@ -67,8 +66,6 @@ class ModelRunner:
         self.device = resolve_device(config.device, tp_rank(), tp_size())
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
-        if self.device.type == "cuda" and not config.enforce_eager:
-            fused_kernels.enable()
         backend_name = config.attention_backend
         if backend_name == "auto":
             backend_name = default_backend_name(self.device)

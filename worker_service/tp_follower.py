@@ -17,6 +17,7 @@ from common.config import WorkerConfig
 from common.generated.nanovllm.worker.v1 import worker_pb2
 from worker_service import step_channel
 from worker_service.distributed import destroy_tensor_parallel, init_tensor_parallel
+from worker_service.layers import fused_kernels
 from worker_service.model_runner import resolve_device
 from worker_service.step_channel import MessageKind
 
@@ -34,6 +35,9 @@ def run_follower(rank: int, world_size: int, config: WorkerConfig, init_address:
         torch.cuda.set_device(device)
     init_tensor_parallel(rank, world_size, init_address, device)
     from worker_service.worker import WorkerCore  # after the group exists: layers read their rank
+
+    if device.type == "cuda" and not config.enforce_eager:  # as rank 0 does (tp_group.create_worker_core)
+        fused_kernels.enable()
 
     core = WorkerCore(config)
     logger.debug("rank %d ready", rank)

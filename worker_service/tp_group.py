@@ -21,6 +21,7 @@ from common.config import WorkerConfig
 from common.generated.nanovllm.worker.v1 import worker_pb2
 from worker_service import step_channel
 from worker_service.distributed import destroy_tensor_parallel, init_tensor_parallel
+from worker_service.layers import fused_kernels
 from worker_service.model_loading import read_model_config
 from worker_service.model_runner import resolve_device
 from worker_service.step_channel import MessageKind
@@ -32,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 def create_worker_core(config: WorkerConfig) -> WorkerCore | TensorParallelCore:
     """The worker of config: a WorkerCore, or rank 0 of a tensor-parallel group."""
+    if resolve_device(config.device).type == "cuda" and not config.enforce_eager:
+        fused_kernels.enable()  # process-wide, so set where the worker starts (tp_follower: other ranks)
     if config.tensor_parallel_size == 1:
         return WorkerCore(config)
     return TensorParallelCore(config)

@@ -16,7 +16,7 @@ def test_cpu_generation_imports_no_gpu_module(tmp_path: Path) -> None:
     code = "\n".join([
         "import sys",
         "from common import SamplingParams",
-        "from scheduler_service import LLM",
+        "from offline import LLM",
         f"llm = LLM({str(model)!r}, block_size=16, num_kv_blocks=16, device='cpu')",
         "llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)",
         "gpu = ['worker_service.attention.triton_backend', 'worker_service.attention.triton_decode',",

@@ -44,13 +44,13 @@ def hf_greedy(path: Path, batch: list[list[int]]) -> list[list[int]]:
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 def test_float32_greedy_is_token_exact(checkpoint: Path, enforce_eager: bool) -> None:
-    from scheduler_service import LLM
+    from offline import LLM
 
     batch = prompts()
-    llm = LLM(str(checkpoint), device="cuda", dtype="float32", block_size=16, num_kv_blocks=512, max_num_seqs=16,
-              max_num_batched_tokens=512, enforce_eager=enforce_eager)
-    results = llm.generate(batch, SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True),
-                           use_tqdm=False)
+    with LLM(str(checkpoint), device="cuda", dtype="float32", block_size=16, num_kv_blocks=512, max_num_seqs=16,
+             max_num_batched_tokens=512, enforce_eager=enforce_eager) as llm:
+        results = llm.generate(batch, SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True),
+                               use_tqdm=False)
     assert [r["token_ids"] for r in results] == hf_greedy(checkpoint, batch)
 
 
@@ -58,11 +58,14 @@ def teacher_forced_logits(checkpoint: Path, tokens: list[int], prompt_len: int) 
     """Our bf16 logits at positions prompt_len-1 .. len-2: the prompt in two prefill chunks, then
     one decode step per token, replayed through the CUDA graph."""
     from worker_service.batch import ScheduledChunk, build_model_input
+    from worker_service.layers import fused_kernels
     from worker_service.model_runner import ModelRunner
     from worker_service.sequence_state import WorkerSequence
 
-    runner = ModelRunner(WorkerConfig(model=str(checkpoint), device="cuda", dtype="bfloat16", block_size=16,
-                                      num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=512))
+    config = WorkerConfig(model=str(checkpoint), device="cuda", dtype="bfloat16", block_size=16, num_kv_blocks=64,
+                          max_num_seqs=4, max_num_batched_tokens=512)
+    fused_kernels.enable()  # as a worker sets at start
+    runner = ModelRunner(config)
     runner.init_cache(64)
     assert runner.graphs is not None
     blocks = list(range(64))
