@@ -19,6 +19,7 @@ from worker_service import step_channel
 from worker_service.distributed import destroy_tensor_parallel, init_tensor_parallel
 from worker_service.model_runner import resolve_device
 from worker_service.step_channel import MessageKind
+from worker_service.worker import PendingStep, WorkerCore
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +34,6 @@ def run_follower(rank: int, world_size: int, config: WorkerConfig, init_address:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     init_tensor_parallel(rank, world_size, init_address, device)
-    from worker_service.worker import WorkerCore  # after the group exists: layers read their rank
-
     core = WorkerCore(config)
     logger.debug("rank %d ready", rank)
     _serve(core)
@@ -42,10 +41,10 @@ def run_follower(rank: int, world_size: int, config: WorkerConfig, init_address:
     destroy_tensor_parallel()
 
 
-def _serve(core) -> None:
+def _serve(core: WorkerCore) -> None:
     """Runs rank 0's messages until SHUTDOWN. Like rank 0, reads each step back after launching the
     next, so the per-sequence state evolves the same way on every rank."""
-    previous = None
+    previous: PendingStep | None = None
     while True:
         kind, payload = step_channel.receive()
         if kind == MessageKind.SHUTDOWN:

@@ -102,8 +102,8 @@ class TensorParallelCore:
         return self.core.config
 
     @property
-    def runner(self):
-        return self.core.runner
+    def next_step_id(self) -> int:
+        return self.core.next_step_id
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -126,9 +126,6 @@ class TensorParallelCore:
         with self._lock:
             step_channel.send(MessageKind.STEP, request.SerializeToString())
             return self.core.launch(request)
-
-    def step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
-        return self.launch(request).result()
 
     def close(self) -> None:
         """Stops the other ranks and leaves the group."""
