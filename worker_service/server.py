@@ -66,7 +66,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                     "a stopped one takes over with --worker-takeover")
 
     async def Describe(self, request, context):  # noqa: N802 (gRPC method names)
-        return self.core.describe(request)
+        return self.core.describe()
 
     async def InitCache(self, request, context):  # noqa: N802
         self._check_claim(request)  # before waiting for the turn: a refused claim delays nobody

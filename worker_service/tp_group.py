@@ -109,8 +109,8 @@ class TensorParallelCore:
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.core.eos_token_ids
 
-    def describe(self, request: worker_pb2.DescribeRequest | None = None) -> worker_pb2.DescribeResponse:
-        return self.core.describe(request)
+    def describe(self) -> worker_pb2.DescribeResponse:
+        return self.core.describe()
 
     def init_cache(self, request: worker_pb2.InitCacheRequest) -> worker_pb2.InitCacheResponse:
         with self._lock:

@@ -117,7 +117,7 @@ class WorkerCore:
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.runner.model_config.eos_token_ids
 
-    def describe(self, request: worker_pb2.DescribeRequest | None = None) -> worker_pb2.DescribeResponse:
+    def describe(self) -> worker_pb2.DescribeResponse:
         runner = self.runner
         return worker_pb2.DescribeResponse(
             model_name=runner.model_name,
