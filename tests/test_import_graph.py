@@ -115,6 +115,16 @@ def test_find_cycles_reports_a_circle() -> None:
     assert find_cycles({"a": {"b"}, "b": set()}) == []
 
 
+def test_imports_resolve_relative_and_function_level_forms(tmp_path: Path) -> None:
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    source = ("from . import b\nfrom .b import name\nfrom ..top import thing\n"
+              "def f():\n    import pkg.sub.c\n    from pkg.sub import d\n")
+    (tmp_path / "pkg" / "sub" / "a.py").write_text(source)
+    modules = {name: tmp_path / "x.py" for name in ("pkg", "pkg.top", "pkg.sub", "pkg.sub.b", "pkg.sub.c", "pkg.sub.d")}
+    assert imported_modules("pkg.sub.a", tmp_path / "pkg" / "sub" / "a.py", modules) == {
+        "pkg.sub.b", "pkg.top", "pkg.sub.c", "pkg.sub.d"}
+
+
 def test_no_import_cycles() -> None:
     graph = import_graph()
     assert "worker_service.model_runner" in graph and graph["worker_service.model_runner"]
