@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 
 from common.generated.nanovllm.worker.v1 import worker_pb2
 from worker_service.attention.base import AttentionMetadata
-from worker_service.sequence_state import WorkerSequence
+from worker_service.sampling.sampling_state import SamplingRows
+from worker_service.sequence_state import PendingToken, WorkerSequence
 
 
 @dataclass
@@ -19,9 +19,9 @@ class ScheduledChunk:
     state: WorkerSequence
     token_ids: list[int]  # the tokens to compute, starting at state.num_computed_tokens
     samples: bool  # the chunk reaches the end of the sequence
-    # For a decode chunk whose token an earlier step sampled and has not read back yet: (that step,
-    # its row); token_ids then holds a placeholder that the device fills in.
-    token_source: tuple[Any, int] | None = None
+    # For a decode chunk whose token an earlier step sampled and has not read back yet; token_ids
+    # then holds a placeholder that the device fills in.
+    token_source: PendingToken | None = None
 
 
 @dataclass
@@ -31,8 +31,8 @@ class ModelInput:
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampled] int64: the last token of each sampling chunk
     sampled_chunks: list[ScheduledChunk]
-    # Tokens to take from earlier steps' device outputs: input position -> (step, row).
-    token_sources: dict[int, tuple[Any, int]] = field(default_factory=dict)
+    # Tokens to take from earlier steps' device outputs, by input position.
+    position_to_token_source: dict[int, PendingToken] = field(default_factory=dict)
 
 
 def apply_step(request: worker_pb2.StepRequest, seq_id_to_state: dict[int, WorkerSequence]) -> list[ScheduledChunk]:
@@ -64,9 +64,9 @@ def apply_step(request: worker_pb2.StepRequest, seq_id_to_state: dict[int, Worke
 
 
 def _chunk(state: WorkerSequence, token_ids: list[int]) -> ScheduledChunk:
+    """A chunk of tokens the scheduler sent (not the worker's own last sampled token)."""
     if not token_ids:
         raise ValueError(f"sequence {state.seq_id}: empty chunk")
-    """A chunk of tokens the scheduler sent (not the worker's own last sampled token)."""
     end = state.num_computed_tokens + len(token_ids)
     if state.token_ids is not None:
         state.token_ids.extend(token_ids)
@@ -122,5 +122,21 @@ def build_model_input(chunks: list[ScheduledChunk], block_size: int) -> ModelInp
         metadata=metadata,
         logits_indices=torch.from_numpy(query_start[1:][samples] - 1),
         sampled_chunks=[c for c in chunks if c.samples],
-        token_sources=token_sources,
+        position_to_token_source=token_sources,
     )
+
+
+def sampling_rows(chunks: list[ScheduledChunk]) -> SamplingRows:
+    """The sampling rows of the chunks that sample, in order."""
+    states = [chunk.state for chunk in chunks]
+    params = [state.sampling for state in states]
+    indices = [state.num_tokens - state.num_prompt_tokens for state in states]
+    if all(state.token_ids is None for state in states):  # no penalties: no token lists to slice
+        return SamplingRows(params, [None] * len(states), [()] * len(states), indices)
+    prompts: list[list[int] | None] = []
+    outputs: list[list[int]] = []
+    for state in states:
+        history = state.token_ids
+        prompts.append(None if history is None else history[:state.num_prompt_tokens])
+        outputs.append([] if history is None else history[state.num_prompt_tokens:])
+    return SamplingRows(params, prompts, outputs, indices)

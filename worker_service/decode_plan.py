@@ -9,7 +9,6 @@ import torch
 
 from worker_service.attention.base import AttentionMetadata
 from worker_service.batch import ModelInput
-from worker_service.sampling.sampler import SamplerOutput
 from worker_service.sampling.sampling_state import host_to_device
 
 
@@ -45,11 +44,3 @@ class DecodePlan:
         metadata.max_seq_len += 1
         metadata.seq_lens_host = self.seq_lens_host[index].tolist()
 
-
-def stack_outputs(outputs: list[SamplerOutput]) -> SamplerOutput:
-    """Per-iteration outputs [num_seqs] stacked into [num_seqs, num_steps] (top-k: [.., .., k])."""
-    def stack(name: str) -> torch.Tensor | None:
-        values = [getattr(o, name) for o in outputs]
-        return None if values[0] is None else torch.stack(values, dim=1)
-
-    return SamplerOutput(stack("token_ids"), stack("logprobs"), stack("top_token_ids"), stack("top_logprobs"))

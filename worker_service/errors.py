@@ -1,4 +1,4 @@
-"""Errors the worker servicer raises; worker_service/interceptors.py maps each to one status code."""
+"""Errors the worker raises; worker_service/interceptors.py maps each to one status code."""
 from __future__ import annotations
 
 
@@ -11,5 +11,5 @@ class ClaimRefusedError(RuntimeError):
     """Another session holds the worker and the claim did not ask to take over (FAILED_PRECONDITION)."""
 
 
-class StepOrderError(RuntimeError):
-    """A step id already used by this session (FAILED_PRECONDITION)."""
+class StepOrderError(ValueError):
+    """A step id out of order: already used by this session, or skipping one (FAILED_PRECONDITION)."""

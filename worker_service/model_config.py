@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("qwen3", "llama", "qwen2")
+# HF model_type -> our architecture (the key of worker_service.models' class table).
+MODEL_TYPE_TO_ARCHITECTURE = {"qwen3": "qwen3", "llama": "llama", "qwen2": "qwen2", "mistral": "llama"}
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    architecture: str  # one of MODEL_TYPE_TO_ARCHITECTURE's values
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -44,17 +45,18 @@ class ModelConfig:
         return self.architecture == "qwen3"
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"architecture {self.architecture!r} is not one of {SUPPORTED_ARCHITECTURES}")
+        if self.architecture not in MODEL_TYPE_TO_ARCHITECTURE.values():
+            raise ValueError(f"architecture {self.architecture!r} is not supported")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
         model_type = hf.get("model_type", "")
-        architecture = {"qwen3": "qwen3", "llama": "llama", "qwen2": "qwen2", "mistral": "llama"}.get(model_type)
+        architecture = MODEL_TYPE_TO_ARCHITECTURE.get(model_type)
         if architecture is None:
-            raise ValueError(f"model_type {model_type!r} is not supported (supported: qwen3, qwen2, llama)")
+            raise ValueError(f"model_type {model_type!r} is not supported (supported: "
+                             f"{', '.join(MODEL_TYPE_TO_ARCHITECTURE)})")
         num_heads = hf["num_attention_heads"]
         hidden_size = hf["hidden_size"]
         eos = hf.get("eos_token_id")

@@ -4,7 +4,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -13,16 +12,16 @@ from common.config import WorkerConfig
 from worker_service.attention import default_backend_name, get_attention_backend
 from worker_service.attention.base import AttentionMetadata
 from worker_service.attention.kv_quant import SCALE_DTYPE, is_fp8, kv_cache_torch_dtype
-from worker_service.batch import ModelInput
+from worker_service.batch import ModelInput, build_model_input, sampling_rows
 from worker_service.cpu_quantization import resolve_cpu_weight_format
 from worker_service.cuda_graphs import DecodeGraphs
-from worker_service.decode_plan import DecodePlan, stack_outputs
+from worker_service.decode_plan import DecodePlan
 from worker_service.distributed import broadcast_from_first, min_over_ranks, tp_rank, tp_size
-from worker_service.memory_profile import profile_peak_memory
+from worker_service.memory_profile import HEAVIEST_SAMPLING, PLAIN_SAMPLING, warmup_chunks
 from worker_service.model_loading import load_checkpoint
-from worker_service.sampling.sampler import Sampler, SamplerOutput
-from worker_service.sampling.sampling_inputs import SamplingRows
+from worker_service.sampling.sampler import Sampler, SamplerOutput, stack_iterations
 from worker_service.sampling.sampling_state import SamplingBatch, host_to_device
+from worker_service.sequence_state import InFlightStep
 
 logger = logging.getLogger(__name__)
 
@@ -116,13 +115,34 @@ class ModelRunner:
     def _gpu_kv_budget(self) -> int:
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        peak = profile_peak_memory(self)
+        peak = self._warmup_peak_memory()
         # CUDA graphs and the allocator's fragmentation take a little more than the warm-up shows.
         margin = 512 * 2**20
         budget = int(total * self.config.gpu_memory_utilization) - used_by_others - peak - margin
         logger.info("GPU memory: %.1f GiB total, %.1f GiB used by others, %.2f GiB peak of a warm-up step; "
                     "%.1f GiB for the KV cache", total / 2**30, used_by_others / 2**30, peak / 2**30, budget / 2**30)
         return budget
+
+    def _warmup_peak_memory(self) -> int:
+        """Peak bytes torch allocates in a warm-up step of the largest size the worker serves (see
+        memory_profile), without its temporary cache. A second, small step compiles the fused
+        sampling kernel, so that no request waits for that."""
+        config = self.config
+        chunks = warmup_chunks(config.max_num_batched_tokens, config.max_num_seqs, config.block_size,
+                               HEAVIEST_SAMPLING)
+        num_blocks = sum(len(c.state.block_table) for c in chunks)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.init_cache(num_blocks, capture_graphs=False)
+        self.run(build_model_input(chunks, config.block_size))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - num_blocks * self.kv_spec.bytes_per_block
+        plain = warmup_chunks(2, min(2, num_blocks), config.block_size, PLAIN_SAMPLING)
+        self.run(build_model_input(plain, config.block_size))
+        torch.cuda.synchronize(self.device)
+        self.release_cache()
+        torch.cuda.empty_cache()
+        return peak
 
     def release_cache(self) -> None:
         self.graphs = None
@@ -159,12 +179,31 @@ class ModelRunner:
     # Steps.
 
     @torch.inference_mode()
-    def run(self, model_input: ModelInput) -> SamplerOutput | None:
+    def run(self, model_input: ModelInput, num_steps: int = 1) -> SamplerOutput | None:
+        """Runs the batch and samples; outputs are [num_seqs, num_steps] (None when no chunk samples).
+        With num_steps > 1 the batch must be decode-only: each iteration feeds the tokens the previous
+        one sampled, without the host in between."""
+        rows = sampling_rows(model_input.sampled_chunks)
+        metadata = model_input.metadata
+        # Before the forward pass moves the metadata to the device: the plan reads the block tables.
+        plan = DecodePlan.build(model_input, num_steps, self.config.block_size, self.device) if num_steps > 1 else None
         logits = self.forward_logits(model_input)
         if logits is None:
             return None
-        batch = SamplingBatch.build(SamplingRows.of_chunks(model_input.sampled_chunks), self.vocab_size, self.device)
-        return self._sample(logits, batch)
+        batch = SamplingBatch.build(rows, self.vocab_size, self.device)
+        outputs = [self._sample(logits, batch)]
+        any_seeded = any(p.seed is not None for p in rows.params)
+        for index in range(1, num_steps):
+            assert plan is not None
+            plan.advance(metadata, index)
+            hidden = self._forward(outputs[-1].token_ids, plan.positions[index], metadata)
+            logits = self.model.compute_logits(hidden)
+            if any_seeded:
+                # Seeded rows draw from (seed, output index): the index moves every iteration.
+                step_rows = replace(rows, output_index=[i + index for i in rows.output_index])
+                batch = SamplingBatch.build(step_rows, self.vocab_size, self.device)
+            outputs.append(self._sample(logits, batch))
+        return stack_iterations(outputs)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Samples; under tensor parallelism every rank takes rank 0's tokens (a small collective
@@ -191,34 +230,11 @@ class ModelRunner:
             return self.graphs.run(input_ids, positions, metadata)
         return self.model(input_ids, positions, metadata)
 
-    @torch.inference_mode()
-    def run_decode_steps(self, model_input: ModelInput, num_steps: int) -> SamplerOutput:
-        """num_steps decode iterations of a decode-only batch, each feeding the tokens the previous
-        one sampled, without the host in between. Outputs are [num_seqs, num_steps]."""
-        chunks = model_input.sampled_chunks
-        rows = SamplingRows.of_chunks(chunks)
-        plan = DecodePlan.build(model_input, num_steps, self.config.block_size, self.device)
-        metadata = model_input.metadata
-        logits = self.forward_logits(model_input)
-        outputs: list[SamplerOutput] = []
-        any_seeded = any(p.seed is not None for p in rows.params)
-        for index in range(num_steps):
-            if index > 0:
-                plan.advance(metadata, index)
-                hidden = self._forward(outputs[-1].token_ids, plan.positions[index], metadata)
-                logits = self.model.compute_logits(hidden)
-            if index == 0 or any_seeded:
-                # Seeded rows draw from (seed, output index): the index moves every iteration.
-                step_rows = replace(rows, output_index=[i + index for i in rows.output_index])
-                batch = SamplingBatch.build(step_rows, self.vocab_size, self.device)
-            outputs.append(self._sample(logits, batch))
-        return stack_outputs(outputs)
-
     def _fill_pending_tokens(self, model_input: ModelInput) -> None:
         """Decode tokens sampled by steps still in flight come from those steps' device outputs:
         the copy is queued on the stream after them, so nothing waits on the host."""
-        step_to_rows: dict[Any, tuple[list[int], list[int]]] = {}
-        for position, (step, row) in model_input.token_sources.items():
+        step_to_rows: dict[InFlightStep, tuple[list[int], list[int]]] = {}
+        for position, (step, row) in model_input.position_to_token_source.items():
             rows, positions = step_to_rows.setdefault(step, ([], []))
             rows.append(row)
             positions.append(position)

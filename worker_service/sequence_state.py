@@ -2,10 +2,29 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import NamedTuple, Protocol
+
+import torch
 
 from common.generated.nanovllm.worker.v1 import worker_pb2
 from common.sampling_params import SamplingParams
+
+
+class InFlightStep(Protocol):
+    """A launched step whose sampled tokens may still be on the device (worker.PendingStep)."""
+
+    device_token_ids: torch.Tensor | None  # [num_sampling_rows]: each row's last sampled token
+
+    def result(self) -> worker_pb2.StepResponse:
+        """Waits for the step's tokens (and those of every step launched before it)."""
+        ...
+
+
+class PendingToken(NamedTuple):
+    """A token sampled by a step not read back yet: row `row` of that step's device output."""
+
+    step: InFlightStep
+    row: int
 
 
 @dataclass
@@ -17,9 +36,9 @@ class WorkerSequence:
     num_prompt_tokens: int
     sampling: SamplingParams
     last_token: int | None = None  # sampled by this worker, not computed yet
-    # While the step that sampled last_token has not been read back: (that step, its row). The next
-    # decode step takes the token from that step's device tensor, without waiting for it.
-    pending: tuple[Any, int] | None = None
+    # While the step that sampled the last token has not been read back: the next decode step takes
+    # the token from that step's device tensor, without waiting for it.
+    pending: PendingToken | None = None
     # Every token of the sequence, kept only when a penalty needs the history.
     token_ids: list[int] | None = None
 

@@ -2,15 +2,17 @@
 shared-secret and error interceptors (worker_service/interceptors.py).
 
 Steps may arrive out of order (the scheduler sends step N+1 before step N returns, and separate
-calls on one channel are not ordered), so each Step waits for its turn by step_id. A step's turn
-ends once it is launched, not once it is done: step N+1 is prepared and queued on the GPU while
-step N computes, and each reply waits for its own step's tokens.
+calls on one channel are not ordered), so each Step waits for its turn by step_id (the core checks
+the order). A step's turn ends once it is launched, not once it is done: step N+1 is prepared and
+queued on the GPU while step N computes, and each reply waits for its own step's tokens.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import grpc
 import torch
@@ -20,13 +22,14 @@ from common.config import WorkerLinkConfig
 from common.generated.nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
 from common.grpc_options import server_options
 from common.tls import server_credentials
-from worker_service.errors import ClaimRefusedError, SessionLostError, StepOrderError
+from worker_service.errors import ClaimRefusedError, SessionLostError
 from worker_service.interceptors import ErrorInterceptor, SecretInterceptor
 from worker_service.tp_group import TensorParallelCore
 from worker_service.worker import WorkerCore
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+_Result = TypeVar("_Result")
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -36,7 +39,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, core: WorkerCore | TensorParallelCore) -> None:
         self.core = core
         self._turn = asyncio.Condition()
-        self._next_step_id = 1
         self._session_id: str | None = None
         # Counts claims: a step that waited for its turn across a claim (even its own session's,
         # which restarts step ids at 1) belongs to state that is gone and must not run.
@@ -48,7 +50,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="model",
                                                 initializer=lambda: torch.set_num_threads(num_threads))
 
-    async def _on_model_thread(self, function, *args):
+    async def _on_model_thread(self, function: Callable[..., _Result], *args: object) -> _Result:
         return await asyncio.get_running_loop().run_in_executor(self._model_thread, function, *args)
 
     def _check_session(self, session_id: str) -> None:
@@ -64,7 +66,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                     "a stopped one takes over with --worker-takeover")
 
     async def Describe(self, request, context):  # noqa: N802 (gRPC method names)
-        return self.core.describe(request)
+        return self.core.describe()
 
     async def InitCache(self, request, context):  # noqa: N802
         self._check_claim(request)  # before waiting for the turn: a refused claim delays nobody
@@ -77,7 +79,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 logger.warning("a new scheduler session took the worker over; the previous one's state is dropped")
             self._session_id = request.session_id
             self._num_claims += 1
-            self._next_step_id = 1
             self._turn.notify_all()  # steps of a replaced session waiting for their turn fail now
             return reply
 
@@ -85,19 +86,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._check_session(request.session_id)
         claim = self._num_claims
         async with self._turn:
-            await self._turn.wait_for(lambda: self._num_claims != claim or self._next_step_id >= request.step_id)
+            await self._turn.wait_for(lambda: self._num_claims != claim or self.core.next_step_id >= request.step_id)
             self._check_session(request.session_id)
             if self._num_claims != claim:
                 raise SessionLostError("session: the worker was claimed again while this step waited; its state "
                                        "is gone")
-            if request.step_id != self._next_step_id:
-                # Names only the caller's own id: the next one is the session's business.
-                raise StepOrderError(f"step_id: {request.step_id} was already used")
             try:
-                pending = await self._on_model_thread(self.core.launch, request)
+                pending = await self._on_model_thread(self.core.launch, request)  # raises StepOrderError
             finally:
                 # The next step may launch now, while this one runs on the GPU.
-                self._next_step_id = request.step_id + 1
                 self._turn.notify_all()
         return await asyncio.to_thread(pending.result)
 

@@ -20,6 +20,7 @@ from worker_service.distributed import destroy_tensor_parallel, init_tensor_para
 from worker_service.layers import fused_kernels
 from worker_service.model_runner import resolve_device
 from worker_service.step_channel import MessageKind
+from worker_service.worker import PendingStep, WorkerCore
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +35,6 @@ def run_follower(rank: int, world_size: int, config: WorkerConfig, init_address:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     init_tensor_parallel(rank, world_size, init_address, device)
-    from worker_service.worker import WorkerCore  # after the group exists: layers read their rank
-
     if device.type == "cuda" and not config.enforce_eager:  # as rank 0 does (tp_group.create_worker_core)
         fused_kernels.enable()
 
@@ -46,10 +45,10 @@ def run_follower(rank: int, world_size: int, config: WorkerConfig, init_address:
     destroy_tensor_parallel()
 
 
-def _serve(core) -> None:
+def _serve(core: WorkerCore) -> None:
     """Runs rank 0's messages until SHUTDOWN. Like rank 0, reads each step back after launching the
     next, so the per-sequence state evolves the same way on every rank."""
-    previous = None
+    previous: PendingStep | None = None
     while True:
         kind, payload = step_channel.receive()
         if kind == MessageKind.SHUTDOWN:

@@ -105,15 +105,15 @@ class TensorParallelCore:
         return self.core.config
 
     @property
-    def runner(self):
-        return self.core.runner
+    def next_step_id(self) -> int:
+        return self.core.next_step_id
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.core.eos_token_ids
 
-    def describe(self, request: worker_pb2.DescribeRequest | None = None) -> worker_pb2.DescribeResponse:
-        return self.core.describe(request)
+    def describe(self) -> worker_pb2.DescribeResponse:
+        return self.core.describe()
 
     def init_cache(self, request: worker_pb2.InitCacheRequest) -> worker_pb2.InitCacheResponse:
         with self._lock:
@@ -129,9 +129,6 @@ class TensorParallelCore:
         with self._lock:
             step_channel.send(MessageKind.STEP, request.SerializeToString())
             return self.core.launch(request)
-
-    def step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
-        return self.launch(request).result()
 
     def close(self) -> None:
         """Stops the other ranks and leaves the group."""

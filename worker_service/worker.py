@@ -18,25 +18,26 @@ from common.gc_pauses import freeze_startup_objects
 from common.generated.nanovllm.worker.v1 import worker_pb2
 from common.lookahead import num_sampled_tokens
 from worker_service.batch import ScheduledChunk, apply_step, build_model_input
+from worker_service.errors import StepOrderError
 from worker_service.model_runner import ModelRunner
 from worker_service.sampling.sampler import SamplerOutput
-from worker_service.sequence_state import WorkerSequence
+from worker_service.sequence_state import PendingToken, WorkerSequence
 
 
 class PendingStep:
     """A launched step whose sampled tokens are still on the device (or being copied back)."""
 
-    def __init__(self, core: WorkerCore, step_id: int, chunks: list[ScheduledChunk],
+    def __init__(self, lock: threading.Lock, step_id: int, chunks: list[ScheduledChunk],
                  output: SamplerOutput | None, previous: PendingStep | None, started: float) -> None:
-        """output: tensors of [num_seqs, num_iterations] (as_iterations for a single one)."""
-        self.core = core
+        """output: tensors of [num_sampling_rows, num_iterations]."""
+        self.lock = lock
         self.step_id = step_id
         self.chunks = chunks
         self.started = started
         self.previous = previous
         # The last token of each row: what the next decode step of that sequence computes.
         self.device_token_ids = output.token_ids[:, -1] if output is not None else None
-        self._host = _copy_to_host(output) if output is not None else None
+        self._host = output.map(_copy_to_host) if output is not None else None
         self._event = None
         if output is not None and output.token_ids.is_cuda:
             self._event = torch.cuda.Event()
@@ -52,7 +53,7 @@ class PendingStep:
             self.previous = None
         if self._event is not None:
             self._event.synchronize()
-        with self.core.lock:
+        with self.lock:
             if self._response is None:
                 self._response = self._build_response()
         return self._response
@@ -66,18 +67,12 @@ class PendingStep:
         return response
 
 
-def _copy_to_host(output: SamplerOutput) -> SamplerOutput:
-    """Non-blocking copies of the sampler's outputs into pinned host memory."""
-    def copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
-        if tensor is None:
-            return None
-        if not tensor.is_cuda:
-            return tensor
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        return host.copy_(tensor, non_blocking=True)
-
-    return SamplerOutput(copy(output.token_ids), copy(output.logprobs), copy(output.top_token_ids),
-                         copy(output.top_logprobs))
+def _copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A non-blocking copy of a device tensor into pinned host memory."""
+    if not tensor.is_cuda:
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
 
 
 def _record_samples(step: PendingStep, output: SamplerOutput, response: worker_pb2.StepResponse) -> None:
@@ -89,7 +84,7 @@ def _record_samples(step: PendingStep, output: SamplerOutput, response: worker_p
     for row, chunk in enumerate(c for c in step.chunks if c.samples):
         state = chunk.state
         row_tokens = token_ids[row]
-        if state.pending is not None and state.pending[0] is step:
+        if state.pending is not None and state.pending.step is step:
             state.pending = None
             state.last_token = row_tokens[-1]
         if state.token_ids is not None:
@@ -105,30 +100,24 @@ def _record_samples(step: PendingStep, output: SamplerOutput, response: worker_p
                         sampled.top_logprobs.add(token_id=token, logprob=value)
 
 
-def as_iterations(output: SamplerOutput) -> SamplerOutput:
-    """A one-iteration output viewed as [num_seqs, 1] (no copy), the shape of multi-iteration ones."""
-    def view(tensor: torch.Tensor | None) -> torch.Tensor | None:
-        return None if tensor is None else tensor.unsqueeze(1)
-
-    return SamplerOutput(view(output.token_ids), view(output.logprobs), view(output.top_token_ids),
-                         view(output.top_logprobs))
-
-
 class WorkerCore:
+    """One rank's worker: the model runner and the per-sequence state between steps. Steps must come
+    in step_id order (1, 2, ... after each InitCache); this is the one place that checks it."""
+
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.runner = ModelRunner(config)
         self.runner.available_kv_blocks()  # profiles GPU memory now, so that Describe answers at once
         self.seq_id_to_state: dict[int, WorkerSequence] = {}
         self.lock = threading.Lock()  # launch and read-back may run on different threads
-        self._last_step_id = 0
+        self.next_step_id = 1
         self._last_launched: PendingStep | None = None
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.runner.model_config.eos_token_ids
 
-    def describe(self, request: worker_pb2.DescribeRequest | None = None) -> worker_pb2.DescribeResponse:
+    def describe(self) -> worker_pb2.DescribeResponse:
         runner = self.runner
         return worker_pb2.DescribeResponse(
             model_name=runner.model_name,
@@ -152,7 +141,7 @@ class WorkerCore:
         if self._last_launched is not None:
             self._last_launched.result()
         self.seq_id_to_state.clear()
-        self._last_step_id = 0
+        self.next_step_id = 1
         self._last_launched = None
         num_blocks = self.runner.init_cache(request.num_kv_blocks)
         freeze_startup_objects()  # graphs are captured: start-up is over
@@ -173,31 +162,24 @@ class WorkerCore:
                 self.seq_id_to_state.pop(seq_id, None)
         return worker_pb2.ReleaseResponse()
 
-    def step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
-        """Runs one step to completion."""
-        return self.launch(request).result()
-
     @torch.inference_mode()
     def launch(self, request: worker_pb2.StepRequest) -> PendingStep:
         """Queues one step's work; its tokens are read back by PendingStep.result()."""
         started = time.perf_counter()
         with self.lock:
-            if request.step_id != self._last_step_id + 1:
-                raise ValueError(f"step_id: expected {self._last_step_id + 1}, got {request.step_id}")
-            self._last_step_id = request.step_id
+            if request.step_id != self.next_step_id:
+                # Names only the caller's own id: the next one is the session's business.
+                raise StepOrderError(f"step_id: {request.step_id} "
+                                     + ("was already used" if request.step_id < self.next_step_id else "skips a step"))
+            self.next_step_id = request.step_id + 1
             chunks = apply_step(request, self.seq_id_to_state)
         self._resolve_history_sources(chunks)
         num_steps = max(request.num_decode_steps, 1)
         output = None
         with self.lock:
             if chunks:
-                model_input = build_model_input(chunks, self.config.block_size)
-                if num_steps > 1:
-                    output = self.runner.run_decode_steps(model_input, num_steps)
-                else:
-                    single = self.runner.run(model_input)
-                    output = as_iterations(single) if single is not None else None
-            pending = PendingStep(self, request.step_id, chunks, output, self._last_launched, started)
+                output = self.runner.run(build_model_input(chunks, self.config.block_size), num_steps)
+            pending = PendingStep(self.lock, request.step_id, chunks, output, self._last_launched, started)
             row = 0
             for chunk in chunks:
                 state = chunk.state
@@ -206,7 +188,7 @@ class WorkerCore:
                 state.last_token = None
                 state.pending = None
                 if chunk.samples:
-                    state.pending = (pending, row)
+                    state.pending = PendingToken(pending, row)
                     row += 1
         self._last_launched = pending
         return pending
@@ -216,4 +198,4 @@ class WorkerCore:
         """A penalty needs the previous token's value on the host: wait for the step that sampled it."""
         for chunk in chunks:
             if chunk.token_source is not None and chunk.state.token_ids is not None:
-                chunk.token_source[0].result()
+                chunk.token_source.step.result()

@@ -35,8 +35,7 @@ from worker_service.sampling.fused_sampling import (  # noqa: E402
     gumbel_sample,
 )
 from worker_service.sampling.sampler import Sampler  # noqa: E402
-from worker_service.sampling.sampling_inputs import SamplingRows  # noqa: E402
-from worker_service.sampling.sampling_state import SamplingBatch  # noqa: E402
+from worker_service.sampling.sampling_state import SamplingBatch, SamplingRows  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -16,8 +16,7 @@ from transformers.generation.logits_process import (
 
 from common.sampling_params import SamplingParams
 from worker_service.sampling.sampler import Sampler, apply_penalties, seeded_exponential_noise
-from worker_service.sampling.sampling_inputs import SamplingRows
-from worker_service.sampling.sampling_state import SamplingBatch, generator_seed
+from worker_service.sampling.sampling_state import SamplingBatch, SamplingRows, generator_seed
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 

@@ -1,4 +1,4 @@
-"""Sampling on the worker: the batch's parameters as tensors (sampling_inputs, sampling_state), the
+"""Sampling on the worker: the batch's parameters as tensors (sampling_state), the
 batched sampler (sampler) and its fused Triton kernel for plain temperature batches (fused_sampling)."""
 import torch
 

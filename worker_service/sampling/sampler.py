@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,22 @@ class SamplerOutput:
     logprobs: torch.Tensor | None = None  # [B] float32
     top_token_ids: torch.Tensor | None = None  # [B, K] int64
     top_logprobs: torch.Tensor | None = None  # [B, K] float32
+
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return self.token_ids, self.logprobs, self.top_token_ids, self.top_logprobs
+
+    def map(self, function: Callable[[torch.Tensor], torch.Tensor]) -> SamplerOutput:
+        """The output with function applied to each tensor it holds."""
+        return SamplerOutput(*(None if tensor is None else function(tensor) for tensor in self.tensors()))
+
+
+def stack_iterations(outputs: list[SamplerOutput]) -> SamplerOutput:
+    """The outputs of one step's iterations as one, [B] -> [B, num_iterations] (top: [B, .., K]);
+    a single iteration is a view, not a copy."""
+    if len(outputs) == 1:
+        return outputs[0].map(lambda tensor: tensor.unsqueeze(1))
+    columns = zip(*(output.tensors() for output in outputs), strict=True)
+    return SamplerOutput(*(None if values[0] is None else torch.stack(values, dim=1) for values in columns))
 
 
 class Sampler:

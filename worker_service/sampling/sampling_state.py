@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from common.sampling_params import SamplingParams
-from worker_service.sampling.sampling_inputs import SamplingRows
 
 # Odd 64-bit constants (from splitmix64) used to mix (seed, output_index) into one generator seed.
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15
@@ -25,6 +24,22 @@ _MIX_2 = 0x94D049BB133111EB
 _MASK_64 = (1 << 64) - 1
 _MASK_63 = (1 << 63) - 1
 _NEUTRAL = SamplingParams()  # the defaults: what rows without a stage hold
+
+
+@dataclass(frozen=True)
+class SamplingRows:
+    """What SamplingBatch.build lays out. Row i samples output token number output_index[i] (0 for
+    the first) of a sequence whose prompt and output so far are given; the token lists are read
+    only for rows with a penalty (prompt tokens only for the repetition penalty)."""
+
+    params: Sequence[SamplingParams]
+    prompt_token_ids: Sequence[Sequence[int] | None]  # None where the worker keeps no history
+    output_token_ids: Sequence[Sequence[int]]
+    output_index: Sequence[int]
+
+    def __post_init__(self) -> None:
+        if not len(self.prompt_token_ids) == len(self.output_token_ids) == len(self.output_index) == len(self.params):
+            raise ValueError("params, prompt_token_ids, output_token_ids and output_index differ in length")
 
 
 def generator_seed(seed: int, output_index: int) -> int:
