@@ -185,14 +185,5 @@ def _wrap_request_stream(behavior: Callable[..., AsyncIterator[Any]], method: st
             _check_parsed(request)
             yield request
 
-    async def wrapped(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        try:
-            async with contextlib.aclosing(behavior(checked(requests), context)) as messages:
-                async for message in messages:
-                    yield message
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:
-            await _abort(context, method, exc)
-
-    return wrapped
+    # The stream's body is _wrap_stream's, without a limit (reflection, the only such method here).
+    return _wrap_stream(lambda requests, context: behavior(checked(requests), context), method, CallLimiter(None))

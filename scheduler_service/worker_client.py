@@ -49,7 +49,7 @@ class GrpcWorkerClient:
         self._may_take_over = link.takeover
         self._metadata = secret_metadata(link.secret)
         if link.uses_tls:
-            credentials = channel_credentials(link.tls_ca or None, link.tls_cert or None, link.tls_key or None)
+            credentials = channel_credentials(link.tls_ca, link.tls_cert, link.tls_key)
             self._channel = grpc.aio.secure_channel(address, credentials, options=channel_options())
         else:
             self._channel = grpc.aio.insecure_channel(address, options=channel_options())

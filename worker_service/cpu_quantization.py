@@ -2,8 +2,9 @@
 
 The float32 model is loaded first, as on every other path; then each projection whose GGUF tensors are
 Q4_0/Q4_1 gets an Int4Linear built from the file's own codes (no re-quantization). The output head stays
-float32: as per-row int8 (Int8Head) its bfloat16 logits moved teacher-forced top-1 to 97 % agreement with
-the float32 path. The float32 layers stay inside the wrappers for prefill-sized steps.
+float32: as per-row int8 (tried with torch's _weight_int8pack_mm) its bfloat16 logits moved
+teacher-forced top-1 to 97 % agreement with the float32 path.
+The float32 layers stay inside the wrappers for prefill-sized steps.
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from worker_service.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
-CPU_WEIGHT_FORMATS = ("auto", "float32", "int4")
 
 
 def resolve_cpu_weight_format(name: str, device_type: str, is_gguf: bool, tensor_parallel_size: int = 1) -> str:

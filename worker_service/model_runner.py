@@ -183,16 +183,17 @@ class ModelRunner:
         """Runs the batch and samples; outputs are [num_seqs, num_steps] (None when no chunk samples).
         With num_steps > 1 the batch must be decode-only: each iteration feeds the tokens the previous
         one sampled, without the host in between."""
-        rows = sampling_rows(model_input.sampled_chunks)
         metadata = model_input.metadata
         # Before the forward pass moves the metadata to the device: the plan reads the block tables.
         plan = DecodePlan.build(model_input, num_steps, self.config.block_size, self.device) if num_steps > 1 else None
         logits = self.forward_logits(model_input)
         if logits is None:
             return None
+        # Host work after the forward pass is launched, so that it overlaps the GPU's.
+        rows = sampling_rows(model_input.sampled_chunks)
         batch = SamplingBatch.build(rows, self.vocab_size, self.device)
         outputs = [self._sample(logits, batch)]
-        any_seeded = any(p.seed is not None for p in rows.params)
+        any_seeded = num_steps > 1 and any(p.seed is not None for p in rows.params)
         for index in range(1, num_steps):
             assert plan is not None
             plan.advance(metadata, index)

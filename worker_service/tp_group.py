@@ -101,10 +101,6 @@ class TensorParallelCore:
         logger.info("tensor-parallel group of %d ranks ready (%s)", size, device.type)
 
     @property
-    def config(self) -> WorkerConfig:
-        return self.core.config
-
-    @property
     def next_step_id(self) -> int:
         return self.core.next_step_id
 

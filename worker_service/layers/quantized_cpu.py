@@ -50,28 +50,3 @@ class Int4Linear(nn.Module):
         out = halves[: x.shape[0]].to(x.dtype) + halves[x.shape[0] :].to(x.dtype)
         bias = getattr(self.dense, "bias", None)
         return out if bias is None else out + bias
-
-
-class Int8Head(nn.Module):
-    """The output head (often tied to the embedding) as per-row int8: 49152 x 576 reads 28 MB instead of 113.
-
-    Per-row symmetric quantization of the loaded float32 weight; the row scales are applied in float32
-    after the kernel (with unit scales inside it) so that bfloat16 only rounds the activations and the
-    kernel's output, never the scales.
-    """
-
-    def __init__(self, dense: nn.Module, max_quantized_tokens: int = MAX_QUANTIZED_TOKENS) -> None:
-        super().__init__()
-        weight = dense.weight.detach().float()
-        scales = weight.abs().amax(dim=1).clamp_min(1e-12) / 127.0
-        self.dense = dense
-        self.max_quantized_tokens = max_quantized_tokens
-        self.register_buffer("codes", torch.round(weight / scales[:, None]).to(torch.int8), persistent=False)
-        self.register_buffer("scales", scales, persistent=False)
-        self.register_buffer("unit_scales", torch.ones_like(scales, dtype=torch.bfloat16), persistent=False)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.shape[0] > self.max_quantized_tokens:
-            return self.dense(hidden)
-        out = torch.ops.aten._weight_int8pack_mm(hidden.to(torch.bfloat16), self.codes, self.unit_scales)
-        return out.to(hidden.dtype) * self.scales
