@@ -1,11 +1,13 @@
 """Throughput on the reference offline workload: in-process (the offline LLM) and through the gRPC
 services (worker and scheduler processes started by the `nanovllm` CLI, all requests sent at once
-by an asyncio client), and the first 32 requests through transformers' continuous batching.
+by an asyncio client; the scheduler records and serves its Prometheus metrics, except in
+grpc-no-metrics), and the first 32 requests through transformers' continuous batching.
 
     python bench/throughput.py --model random-qwen3-0.6b            # on a GPU: the reference run
     python bench/throughput.py --model PATH --num-seqs 16 --max-input-len 128 --max-output-len 64
     python bench/throughput.py --model random-qwen3-8b --modes inprocess --tensor-parallel-size 2 --itl-tokens 256
     python bench/throughput.py --modes grpc --num-workers 2    # data parallelism: one GPU per worker
+    python bench/throughput.py --modes grpc,grpc-no-metrics    # what recording the metrics costs
 
 Each mode runs in its own process (so that each has the whole GPU); output tok/s counts output
 tokens over wall time, prefill included, after a warm-up. The last lines are a table.
@@ -36,7 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="random-qwen3-0.6b",
                         help="checkpoint path, or random-qwen3-0.6b / random-qwen3-8b (built under --work-dir)")
     parser.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "nanovllm-bench"))
-    parser.add_argument("--modes", default="inprocess,grpc,hf", help="comma-separated: inprocess, grpc, hf")
+    parser.add_argument("--modes", default="inprocess,grpc,hf",
+                        help="comma-separated: inprocess, grpc, grpc-no-metrics, hf")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--max-input-len", type=int, default=1024)
     parser.add_argument("--max-output-len", type=int, default=1024)
@@ -139,7 +142,8 @@ def run_grpc(args: argparse.Namespace, model: str) -> dict:
     workers = [_start_worker(args, model, worker_port, index if args.num_workers > 1 else None)
                for index, worker_port in enumerate(worker_ports)]
     addresses = ",".join(f"127.0.0.1:{worker_port}" for worker_port in worker_ports)
-    scheduler = cli("scheduler", "--worker", addresses, "--port", str(port),
+    metrics_port = free_port() if args.run_mode == "grpc" else 0  # 0: no recording
+    scheduler = cli("scheduler", "--worker", addresses, "--port", str(port), "--metrics-port", str(metrics_port),
                     "--max-num-seqs", str(args.max_num_seqs),
                     "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                     "--num-decode-steps", str(args.num_decode_steps))
@@ -271,11 +275,11 @@ def tok_s(entry: dict | None) -> float | None:
 
 def report(args: argparse.Namespace, results: dict, bandwidth: float | None) -> None:
     rows = []
-    for mode in ("inprocess", "grpc"):
+    for mode in ("inprocess", "grpc", "grpc-no-metrics"):
         if results.get(mode):
             entry = results[mode]["all"]
             rows.append((f"{mode}, {args.num_seqs} requests", entry["output_tokens"], entry["seconds"], tok_s(entry)))
-    for mode in ("inprocess", "grpc", "hf"):
+    for mode in ("inprocess", "grpc", "grpc-no-metrics", "hf"):
         if results.get(mode):
             entry = results[mode]["hf_slice"]
             label = "transformers CB" if mode == "hf" else mode
@@ -295,6 +299,8 @@ def report(args: argparse.Namespace, results: dict, bandwidth: float | None) -> 
               f"of kernel time, over {prof['wall_s']:.2f} s wall")
     if inproc and grpc_:
         print(f"gRPC / in-process: {tok_s(grpc_['all']) / tok_s(inproc['all']):.3f}")
+    if grpc_ and results.get("grpc-no-metrics"):
+        print(f"gRPC with metrics / without: {tok_s(grpc_['all']) / tok_s(results['grpc-no-metrics']['all']):.4f}")
     if inproc and results.get("hf"):
         print(f"ours / transformers CB (first {args.hf_num_seqs}): "
               f"{tok_s(inproc['hf_slice']) / tok_s(results['hf']['hf_slice']):.1f}x")
@@ -309,7 +315,8 @@ def main() -> int:
     args = parse_args(argv)
     model = resolve_model(args)
     if args.run_mode:
-        runner = {"inprocess": run_inprocess, "grpc": run_grpc, "hf": run_hf}[args.run_mode]
+        runners = {"inprocess": run_inprocess, "grpc": run_grpc, "grpc-no-metrics": run_grpc, "hf": run_hf}
+        runner = runners[args.run_mode]
         print(RESULT_PREFIX + json.dumps(runner(args, model)), flush=True)
         return 0
     results = {mode: run_mode_in_subprocess(args, mode, argv) for mode in args.modes.split(",")}

@@ -86,7 +86,8 @@ class PublicServerConfig:
 class ObservabilityConfig:
     """How a service reports on itself: the Prometheus port and the log lines."""
 
-    metrics_port: int = option(0, "serve Prometheus metrics on --host:PORT/metrics (0: off)", min=0, max=65535)
+    metrics_port: int = option(0, "record and serve Prometheus metrics on --host:PORT/metrics (0: off)",
+                               min=0, max=65535)
     log_level: str = option("INFO", "DEBUG, INFO, WARNING or ERROR")
     log_format: str = option("text", "json: one JSON object per line, for log pipelines", choices=("text", "json"))
 

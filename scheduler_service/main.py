@@ -15,7 +15,7 @@ from common.config import ObservabilityConfig, PublicServerConfig, SchedulerConf
 from common.gc_pauses import freeze_startup_objects
 from scheduler_service.api_keys import ApiKeys
 from scheduler_service.async_engine import AsyncEngine
-from scheduler_service.metrics import MetricsServer
+from scheduler_service.metrics import MetricsServer, ServiceMetrics
 from scheduler_service.public_server import PublicServer, build_public_server, check_port_free
 from scheduler_service.public_tls import check_readable
 from scheduler_service.tokenizer import eos_token_ids, load_tokenizer
@@ -76,7 +76,9 @@ async def _start(service: SchedulerServiceConfig, on_engine: Callable[[AsyncEngi
     workers = [GrpcWorkerClient(address, service.link) for address in service.worker_addresses]
     tokenizer_path = service.tokenizer or await _worker_model_path(workers[0])
     tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_path)
-    engine = await AsyncEngine.start(service.scheduler, workers, tokenizer, eos_token_ids(tokenizer_path, tokenizer))
+    metrics = ServiceMetrics(recording=bool(service.observability.metrics_port))  # off: nobody could read them
+    engine = await AsyncEngine.start(service.scheduler, workers, tokenizer, eos_token_ids(tokenizer_path, tokenizer),
+                                     metrics)
     if on_engine is not None:
         on_engine(engine)
     server = build_public_server(engine, public.host, public.port, config=public, api_keys=api_keys)

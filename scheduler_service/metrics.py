@@ -101,9 +101,12 @@ COUNTER_HELP = {
 
 
 class ServiceMetrics:
-    """Every metric of one scheduler service, in its own registry (tests run several in one process)."""
+    """Every metric of one scheduler service, in its own registry (tests run several in one process).
+    With recording off (the service's --metrics-port 0: nobody can read them) nothing is recorded
+    per request or per step; the load gauges still read the state when asked."""
 
-    def __init__(self) -> None:
+    def __init__(self, recording: bool = True) -> None:
+        self.recording = recording
         self.registry = CollectorRegistry()
         self.counters = LoopCounters()
         self.request_success = Counter("nanovllm_request_success", "Requests that finished, by finish reason",
@@ -149,6 +152,8 @@ class ServiceMetrics:
     def observe_step(self, core: Any, step_period_s: float | None) -> None:
         """Once per engine step: the time since the previous step's result (None after an idle gap)
         and the engine core's counters since the last step."""
+        if not self.recording:
+            return
         if step_period_s is not None:
             self.step_duration.observe(step_period_s)
         scheduler, blocks = core.scheduler, core.block_manager

@@ -52,6 +52,7 @@ class RequestRecord:
     def __init__(self, metrics: ServiceMetrics, method: str, request_id: str,
                  context: grpc.aio.ServicerContext) -> None:
         self.metrics = metrics
+        self.recording = metrics.recording
         self.method = method
         self.request_id = request_id
         self.context = context
@@ -75,13 +76,15 @@ class RequestRecord:
         now = time.perf_counter()
         if self.first_token_time is None:
             self.first_token_time = now
-            self.metrics.time_to_first_token.observe(now - self.arrival)
-            self.metrics.counters.prompt_tokens += output.num_prompt_tokens
-        else:
+            if self.recording:
+                self.metrics.time_to_first_token.observe(now - self.arrival)
+                self.metrics.counters.prompt_tokens += output.num_prompt_tokens
+        elif self.recording:
             self.inter_token_latencies.append((now - self.last_output_time) / num_tokens)
         self.last_output_time = now
         self.num_output_tokens += num_tokens
-        self.metrics.counters.generation_tokens += num_tokens
+        if self.recording:
+            self.metrics.counters.generation_tokens += num_tokens
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  traceback: TracebackType | None) -> None:
@@ -89,10 +92,10 @@ class RequestRecord:
         finish_reason = None
         if code is None:
             finish_reason = self.last.finish_reason.name.lower() if self.last and self.last.finish_reason else None
-            self.metrics.request_success.labels(finish_reason or "unknown").inc()
-        else:
-            self.metrics.request_failure.labels(code).inc()
-        self._finish(code or "OK", finish_reason)
+        e2e = time.perf_counter() - self.arrival
+        if self.recording:
+            self._record(code, finish_reason, e2e)
+        self._log(code or "OK", finish_reason, e2e)
 
     def _status(self, exc: BaseException | None) -> str | None:
         """None for a call that finished; else the status code the client gets."""
@@ -108,17 +111,22 @@ class RequestRecord:
             return status_for(exc)[0].name
         return "CANCELLED"
 
-    def _finish(self, status: str, finish_reason: str | None) -> None:
-        end = time.perf_counter()
-        last = self.last
-        e2e = end - self.arrival
-        self.metrics.inter_token_latency.observe_many(self.inter_token_latencies)
+    def _record(self, code: str | None, finish_reason: str | None, e2e: float) -> None:
+        metrics, last = self.metrics, self.last
+        if code is None:
+            metrics.request_success.labels(finish_reason or "unknown").inc()
+        else:
+            metrics.request_failure.labels(code).inc()
+        metrics.inter_token_latency.observe_many(self.inter_token_latencies)
         if last is not None and last.finished:
-            self.metrics.e2e_request_latency.observe(e2e)
-            self.metrics.request_prompt_tokens.observe(last.num_prompt_tokens)
-            self.metrics.request_generation_tokens.observe(last.num_output_tokens)
+            metrics.e2e_request_latency.observe(e2e)
+            metrics.request_prompt_tokens.observe(last.num_prompt_tokens)
+            metrics.request_generation_tokens.observe(last.num_output_tokens)
             if last.queue_time_s is not None:
-                self.metrics.request_queue_time.observe(last.queue_time_s)
+                metrics.request_queue_time.observe(last.queue_time_s)
+
+    def _log(self, status: str, finish_reason: str | None, e2e: float) -> None:
+        last = self.last
         fields: dict[str, Any] = {
             "request_id": self.request_id,
             "method": self.method,

@@ -12,7 +12,7 @@ import pytest
 from common.client import build_request
 from common.generated.nanovllm.generate.v1 import generate_pb2, generate_pb2_grpc
 from common.log_format import JsonFormatter, TextFormatter
-from scheduler_service.metrics import MetricsServer
+from scheduler_service.metrics import MetricsServer, ServiceMetrics
 from scheduler_service.request_record import valid_traceparent
 from scheduler_service.tokenizer import load_tokenizer
 from tests.metrics_scrape import scrape, value
@@ -92,6 +92,25 @@ def test_stream_line_names_its_method_and_a_garbage_traceparent_is_left_out(stub
     fields = line_of(request_lines, "stream-1")
     assert (fields["method"], fields["status"], fields["completion_tokens"]) == ("GenerateStream", "OK", 3)
     assert "traceparent" not in fields
+
+
+def test_with_recording_off_requests_are_logged_and_nothing_is_counted(stub, engine: FakeEngine,
+                                                                     request_lines) -> None:
+    """--metrics-port 0: the request line stays, the metrics record nothing (not even the first token)."""
+    recording = engine.metrics
+    engine.metrics = ServiceMetrics(recording=False)
+    try:
+        stub.Generate(build_request("hello world", request_id="off-1"))
+        list(stub.GenerateStream(build_request("hello", request_id="off-2")))
+        fields = [line_of(request_lines, request_id) for request_id in ("off-1", "off-2")]
+    finally:
+        registry, engine.metrics = engine.metrics.registry, recording
+    assert [(f["status"], f["completion_tokens"]) for f in fields] == [("OK", 3), ("OK", 3)]
+    assert all(0 <= f["ttft_s"] <= f["e2e_s"] for f in fields)
+    samples = {(s.name, frozenset(s.labels.items())): s.value for family in registry.collect() for s in family.samples}
+    counted = {name: number for (name, _), number in samples.items()
+               if number and (name.endswith(("_total", "_count")) or name.endswith("_sum"))}
+    assert counted == {}
 
 
 @pytest.mark.parametrize(("setup", "request_kwargs", "code"), [
