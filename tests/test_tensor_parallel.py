@@ -1,10 +1,12 @@
 """Tensor parallelism on CPUs (gloo): a worker over two processes generates exactly what one
 process does, in float32 greedy, through prefix-cache hits, chunked prefill and preemption; the
-group goes down as one; startup errors are one line."""
+group goes down as one, and a stream open on it completes once a new group is started on its port;
+startup errors are one line."""
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,10 +14,10 @@ import torch
 
 from common import SamplingParams
 from common.client import GenerationClient
-from common.config import WorkerConfig
+from common.config import SchedulerConfig, WorkerConfig
 from offline import LLM
+from tests.services_harness import InProcessScheduler, free_port, run_cli, start_scheduler, stop, wait_until
 from tests.services_harness import cli as start_cli
-from tests.services_harness import free_port, run_cli, start_scheduler, stop, wait_until
 from tests.test_engine_parity import make_prompts, token_ids
 from tests.tiny_models import make_tiny_checkpoint, save_tiny_bpe_tokenizer
 from worker_service.tp_group import check_tensor_parallel
@@ -100,6 +102,51 @@ def test_served_group_is_one_worker_and_goes_down_as_one(model: Path) -> None:
         client.close()
         stop(scheduler)
         stop(worker)
+
+
+def start_group(model: Path, port: int) -> subprocess.Popen:
+    """A TP=2 worker group on port, started as a user starts it."""
+    return start_cli("worker", "--model", str(model), "--port", str(port), "--block-size", "16",
+                     "--num-kv-blocks", "64", "--device", "cpu", "--tensor-parallel-size", "2")
+
+
+def test_a_stream_completes_on_a_restarted_group_after_a_rank_dies(model: Path) -> None:
+    """A greedy stream is open when rank 1 is killed: the group goes down with the request unfinished,
+    the scheduler parks it, and once a new group answers on the same port it recomputes the request
+    from its tokens: the stream ends with the tokens and text of an undisturbed run."""
+    prompt, max_tokens = "The quick brown fox", 96
+    worker_port = free_port()
+    group = start_group(model, worker_port)
+    scheduler = InProcessScheduler(model, worker_port, SchedulerConfig(worker_timeout_s=120)).start()
+    client = GenerationClient(scheduler.target, timeout=120)
+    restarted = None
+    try:
+        client.wait_ready(timeout=120)
+        engine = scheduler.engine
+        assert engine is not None
+        (lane,) = engine.lanes
+        undisturbed = client.generate(prompt, temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        stream = client.stream(prompt, temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        deltas = [next(stream) for _ in range(3)]
+        (rank1,) = rank_pids(group.pid)
+        os.kill(rank1, signal.SIGKILL)
+        assert group.wait(timeout=60) == 1
+        # The request was cut short: the scheduler holds it for a worker to come back.
+        wait_until(lambda: not lane.is_ready, 30, "the scheduler to see the group gone")
+        assert lane.num_orphans == 1 and engine.num_unfinished == 1
+        assert sum(len(delta.token_ids) for delta in deltas) < max_tokens
+        restarted = start_group(model, worker_port)
+        deltas += list(stream)
+        assert [token for delta in deltas for token in delta.token_ids] == undisturbed.token_ids
+        assert "".join(delta.text for delta in deltas) == undisturbed.text
+        assert deltas[-1].finish_reason == "length" and deltas[-1].usage.completion_tokens == max_tokens
+        assert engine.metrics.counters.worker_recoveries == 1
+    finally:
+        client.close()
+        scheduler.stop()
+        stop(group)
+        if restarted is not None:
+            stop(restarted)
 
 
 def test_other_ranks_exit_when_rank0_dies(model: Path) -> None:

@@ -1,14 +1,18 @@
 """How the engine loop treats each kind of worker fault (scheduler_service/worker_faults.py),
-against the scripted worker (no torch): a protocol error fails only its step's requests, once; a
+against the scripted worker (no torch): a protocol error fails only its step's requests, once (also
+through the public server, with requests in the failed step, in the step after it and waiting); a
 Step that never returns hits its deadline over real gRPC and its requests are recomputed; a lost
 session is recomputed; a worker that stays lost fails the parked requests after the worker timeout."""
 from __future__ import annotations
 
 import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
+from common.client import GenerationClient
 from common.config import SchedulerConfig
 from common.generated.nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
 from common.sampling_params import SamplingParams
@@ -16,8 +20,9 @@ from scheduler_service.async_engine import AsyncEngine
 from scheduler_service.errors import WorkerLostError, WorkerStepError
 from scheduler_service.sequence import FinishReason
 from scheduler_service.worker_client import GrpcWorkerClient
+from tests.loop_thread import LoopThread, PublicServerThread
 from tests.scheduler_service.test_async_engine import ScriptedWorker, collect, expected_tokens, run
-from tests.services_harness import LINK
+from tests.services_harness import LINK, wait_until
 
 POISON = 99  # a prompt holding this token makes the scripted worker refuse the step
 
@@ -160,3 +165,171 @@ def test_parked_requests_end_unavailable_after_the_worker_timeout() -> None:
         await engine.shutdown(0)
 
     run(scenario())
+
+
+class GatedServicer(worker_pb2_grpc.WorkerServicer):
+    """The scripted worker behind a real gRPC server. Like a real worker it takes steps in step_id
+    order; it refuses (INVALID_ARGUMENT) a step that admits a poisoned prompt, and every later step
+    of that claim; every Step waits until the gate opens."""
+
+    def __init__(self) -> None:
+        self.worker = ScriptedWorker()
+        self.gate = asyncio.Event()
+        self.num_received_steps = 0
+        self.refused_step_ids: list[int] = []
+        self.num_claims = 0
+        self._turn = asyncio.Condition()
+        self._next_step_id = 1
+        self._is_broken = False
+
+    async def Describe(self, request, context):  # noqa: N802
+        return await self.worker.describe()
+
+    async def InitCache(self, request, context):  # noqa: N802
+        async with self._turn:
+            self.num_claims += 1
+            self._next_step_id, self._is_broken = 1, False
+            return await self.worker.init_cache(request.num_kv_blocks)
+
+    async def Step(self, request, context):  # noqa: N802
+        self.num_received_steps += 1
+        await self.gate.wait()
+        async with self._turn:
+            await self._turn.wait_for(lambda: self._next_step_id >= request.step_id)
+            self._next_step_id = request.step_id + 1
+            self._turn.notify_all()
+            if self._is_broken:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "step_id: follows a refused step")
+            if any(POISON in new.token_ids for new in request.new_sequences):
+                self._is_broken = True
+                self.refused_step_ids.append(request.step_id)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token_ids: refused")
+            return await self.worker.step(request)
+
+    async def Release(self, request, context):  # noqa: N802
+        await self.worker.release(list(request.seq_ids))
+        return worker_pb2.ReleaseResponse()
+
+
+class RecordingClient(GrpcWorkerClient):
+    """The gRPC worker client, keeping every StepRequest the scheduler sends, in order."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address, LINK)
+        self.sent: list[worker_pb2.StepRequest] = []
+
+    async def step(self, request: worker_pb2.StepRequest, timeout_s: float | None = None) -> worker_pb2.StepResponse:
+        self.sent.append(request)
+        return await super().step(request, timeout_s)
+
+
+class ScriptedService(PublicServerThread):
+    """The gated scripted worker, the real AsyncEngine and the public server on one event loop in a thread."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.servicer = GatedServicer()
+        self.worker_server: grpc.aio.Server | None = None
+        self.client: RecordingClient | None = None
+        self.engine: AsyncEngine | None = None
+
+    def start(self) -> ScriptedService:
+        self.loop_thread = LoopThread("scripted-service")
+
+        async def build() -> None:
+            self.worker_server = grpc.aio.server()
+            worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.worker_server)
+            port = self.worker_server.add_insecure_port("127.0.0.1:0")
+            await self.worker_server.start()
+            self.client = RecordingClient(f"127.0.0.1:{port}")
+            self.engine = await AsyncEngine.start(self.config, self.client, None)
+            await self.serve(self.engine)
+
+        self.run(build())
+        return self
+
+    def open_gate(self) -> None:
+        assert self.loop_thread is not None
+        self.loop_thread.loop.call_soon_threadsafe(self.servicer.gate.set)
+
+    def stop(self) -> None:
+        async def shutdown() -> None:
+            assert self.engine is not None and self.public is not None and self.worker_server is not None
+            await self.engine.shutdown(grace_s=0)
+            await self.public.stop(grace=None)
+            await self.worker_server.stop(None)
+
+        self.run(shutdown())
+        assert self.loop_thread is not None
+        self.loop_thread.close()
+
+
+def stream_tokens(client: GenerationClient, prompt: list[int], max_tokens: int) -> tuple[list[int], grpc.StatusCode]:
+    """The tokens a greedy stream received and how it ended (OK when it finished by length)."""
+    tokens: list[int] = []
+    try:
+        for delta in client.stream(prompt, temperature=0, max_tokens=max_tokens):
+            tokens += delta.token_ids
+            if delta.finish_reason is not None:
+                assert delta.finish_reason == "length"
+    except grpc.RpcError as error:
+        return tokens, error.code()
+    return tokens, grpc.StatusCode.OK
+
+
+def test_a_protocol_error_fails_its_steps_requests_once_and_the_others_complete(caplog) -> None:
+    """R runs alone while every step is held; P (poisoned), H, W and X queue behind it. With 7 tokens
+    a step and 4 sequences: step 3 holds R's decode and the prompts of P and H (3 + 3 tokens), step
+    4 (on the wire before step 3 returns) admits W, X waits. The worker refuses step 3: R, P and H
+    end with INTERNAL, W and X are recomputed on a fresh claim and stream the undisturbed tokens,
+    and the scheduler logs the failure in one line, not one per request."""
+    caplog.set_level(logging.DEBUG)
+    r, p, h, w, x = [3, 1, 4], [1, POISON, 2], [4, 5, 6], [7, 8], [9, 10, 11]
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=7, num_decode_steps=1)
+    service = ScriptedService(config).start()
+    servicer, engine = service.servicer, service.engine
+    assert engine is not None and service.client is not None
+    try:
+        with GenerationClient(service.target, timeout=30) as client, ThreadPoolExecutor(5) as pool:
+            client.wait_ready(10)
+            streams = {}
+            streams["r"] = pool.submit(stream_tokens, client, r, 20)
+            # Steps 1 (R's prompt) and 2 (its first decode) are on the wire, held: the loop waits for step 1.
+            wait_until(lambda: servicer.num_received_steps == 2, 10, "R's first two steps")
+            for count, (name, prompt, max_tokens) in enumerate([("p", p, 20), ("h", h, 20), ("w", w, 12),
+                                                                ("x", x, 12)], start=2):
+                streams[name] = pool.submit(stream_tokens, client, prompt, max_tokens)
+                wait_until(lambda count=count: engine.num_unfinished == count, 10, f"request {name} queued")
+            service.open_gate()
+            results = {name: future.result(timeout=30) for name, future in streams.items()}
+        sent = service.client.sent
+    finally:
+        service.stop()
+
+    # The arrangement: step 3 computes R, P and H; step 4 admits W; X is in no step of the first claim.
+    assert [request.step_id for request in sent[:5]] == [1, 2, 3, 4, 1]
+    assert servicer.refused_step_ids == [3] and servicer.num_claims == 2
+    r_seq_id = sent[0].new_sequences[0].seq_id
+    assert [list(new.token_ids) for new in sent[2].new_sequences] == [p, h]
+    assert [running.seq_id for running in sent[2].running_sequences] == [r_seq_id]
+    assert [list(new.token_ids) for new in sent[3].new_sequences] == [w]
+    assert all(list(new.token_ids) != x for request in sent[:4] for new in request.new_sequences)
+    # The fresh claim recomputes W and X from their prompts.
+    assert [(list(new.token_ids), new.num_computed_tokens) for new in sent[4].new_sequences] == [(w, 0), (x, 0)]
+
+    # The failed step's requests end with INTERNAL (R after the tokens it streamed before the fault).
+    r_tokens, r_code = results["r"]
+    assert r_code is grpc.StatusCode.INTERNAL and r_tokens == expected_tokens(r, 20)[:len(r_tokens)]
+    assert results["p"] == ([], grpc.StatusCode.INTERNAL)
+    assert results["h"] == ([], grpc.StatusCode.INTERNAL)
+    # The others complete, token for token as with no fault.
+    assert results["w"] == (expected_tokens(w, 12), grpc.StatusCode.OK)
+    assert results["x"] == (expected_tokens(x, 12), grpc.StatusCode.OK)
+
+    # Logged once: one line names the worker's error, and it is the scheduler's only warning or error.
+    about_the_fault = [record for record in caplog.records if "token_ids: refused" in record.getMessage()]
+    assert len(about_the_fault) == 1 and about_the_fault[0].levelno == logging.ERROR
+    complaints = [record for record in caplog.records
+                  if record.levelno >= logging.WARNING and record.name.startswith("scheduler_service")]
+    assert complaints == about_the_fault
