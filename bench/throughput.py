@@ -55,8 +55,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-decode-steps", type=int, default=4, help="decode iterations per step")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--all-reduce", default="auto", choices=["auto", "nccl"],
-                        help="tensor parallelism: the worker's --all-reduce")
     parser.add_argument("--num-workers", type=int, default=1,
                         help="grpc mode: workers (data parallelism), worker i on GPU i (CUDA_VISIBLE_DEVICES)")
     parser.add_argument("--itl-tokens", type=int, default=0,
@@ -90,8 +88,7 @@ def engine_options(args: argparse.Namespace) -> dict:
     return dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                 enforce_eager=args.enforce_eager, device=args.device, num_decode_steps=args.num_decode_steps,
-                kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
-                all_reduce=args.all_reduce)
+                kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size)
 
 
 # Modes, each run in its own process.
@@ -166,7 +163,7 @@ def _start_worker(args: argparse.Namespace, model: str, port: int, gpu: int | No
     flags = ["--model", model, "--port", str(port), "--max-model-len", str(args.max_model_len),
              "--block-size", str(args.block_size), "--device", args.device,
              "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-             "--tensor-parallel-size", str(args.tensor_parallel_size), "--all-reduce", args.all_reduce,
+             "--tensor-parallel-size", str(args.tensor_parallel_size),
              *(["--enforce-eager"] if args.enforce_eager else [])]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", SECRET_ENV: WORKER_SECRET}
     if gpu is not None:

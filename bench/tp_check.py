@@ -111,7 +111,10 @@ def main() -> int:
     batch = prompts(vocab_size)
     results: dict = {}
     for mode, eager in (("graphs", False), ("eager", True)):
-        one, two = greedy(model, batch, 1, eager), greedy(model, batch, 2, eager)
+        one = greedy(model, batch, 1, eager)
+        print(f"float32 greedy, {mode}, tensor parallel 1: done", file=sys.stderr, flush=True)
+        two = greedy(model, batch, 2, eager)
+        print(f"float32 greedy, {mode}, tensor parallel 2: done", file=sys.stderr, flush=True)
         same = sum(a == b for a, b in zip(one, two, strict=True))
         tokens = sum(x == y for a, b in zip(one, two, strict=True) for x, y in zip(a, b, strict=True))
         results[f"float32_greedy_{mode}"] = {"sequences_exact": same, "sequences": len(batch),

@@ -33,9 +33,13 @@ def main(folder: Path) -> None:
         teacher = check["bfloat16_teacher_forced"]
         value = f"top-1 {teacher['top1_agreement']:.4f}, rel err {teacher['relative_error']:.2e}"
         print(f"{'bf16 teacher-forced TP=2 vs transformers':44} {value:>30}")
+        for key, label in (("tp1_top1_agreement", "TP=1"), ("transformers_bf16_top1_agreement", "transformers bf16"),
+                           ("tp2_vs_transformers_bf16_top1", "TP=2 vs transformers bf16")):
+            if key in teacher:
+                print(f"{'bf16 teacher-forced top-1, ' + label:44} {teacher[key]:>30.4f}")
     rates = {}
-    for tp in (1, 2):
-        found = _throughput(_load(folder, f"tp{tp}-8b"), "inprocess")
+    for tp, name in ((1, "tp1-8b"), (2, "tp2-8b")):
+        found = _throughput(_load(folder, name), "inprocess")
         if found is None:
             continue
         rates[tp], entry = found
@@ -48,7 +52,7 @@ def main(folder: Path) -> None:
             prof = entry["profile"]
             value = f"{prof['collectives_ms']:.1f} of {prof['device_total_ms']:.1f} ms kernels"
             print(f"{f'8B TP={tp} decode profile, collectives':44} {value:>30}")
-    if len(rates) == 2:
+    if 1 in rates and 2 in rates:
         print(f"{'8B TP=2 / TP=1 throughput':44} {rates[2] / rates[1]:>30.2f}")
     dp = {}
     for workers in (1, 2):

@@ -121,9 +121,6 @@ class WorkerConfig:
     max_num_batched_tokens: int = option(16384, "most tokens in one step (sizes activation memory)", min=1)
     tensor_parallel_size: int = option(1, "shard the model over the first N visible GPUs (N processes on CPU)",
                                        aliases=("-tp",), min=1)
-    all_reduce: str = option("auto", "tensor parallelism on GPUs: auto sums messages up to a decode batch with a "
-                             "one-shot kernel over symmetric memory, larger ones with NCCL; nccl: NCCL only",
-                             choices=("auto", "nccl"))
     cpu_weight_format: str = option("auto", "GGUF on CPU: int4 keeps 4-bit projections quantized (faster, "
                                     "bfloat16 activations), float32 dequantizes (token-exact with transformers); "
                                     "auto: int4", choices=("auto", "float32", "int4"))

@@ -5,14 +5,6 @@ single-device code pays nothing.
 Two groups: the device group (NCCL on GPUs, gloo on CPUs) for activations, logits and sampled
 tokens, and a gloo group on the host for control messages (StepChannel), so that passing a Step
 to the other ranks never touches the GPU stream (no host sync).
-
-Partial sums meet at a few places of the model (`ReduceSite`: each row-parallel output and the
-vocab-parallel embedding). On GPUs, messages up to a decode batch's size can take a one-shot
-all-reduce over torch's symmetric memory (`enable_one_shot_all_reduce`): every rank copies its
-part into its own slice of a buffer all peers map, one barrier, then each reads all parts over
-NVLink and adds them in rank order: one kernel instead of NCCL's ring, the same sums. Each site
-owns its slice: a rank can only write a site's slice again after passing the barrier of a later
-site, which every peer reaches only once done reading that slice. Larger messages take NCCL.
 """
 from __future__ import annotations
 
@@ -32,7 +24,6 @@ class ParallelState:
     rank: int
     world_size: int
     control_group: dist.ProcessGroup
-    device_group_name: str
 
 
 _state: ParallelState | None = None
@@ -47,7 +38,7 @@ def init_tensor_parallel(rank: int, world_size: int, init_address: str, device: 
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, init_method=init_address, rank=rank, world_size=world_size, **kwargs)
     control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
-    _state = ParallelState(rank, world_size, control, dist.group.WORLD.group_name)
+    _state = ParallelState(rank, world_size, control)
 
 
 def destroy_tensor_parallel() -> None:
@@ -71,41 +62,11 @@ def control_group() -> dist.ProcessGroup:
     return _state.control_group
 
 
-class ReduceSite:
-    """One place of the model where the ranks' partial sums are added: `site(x)` sums x over the
-    ranks in place. `buffer` is its slice of the one-shot buffer once that is enabled."""
-
-    def __init__(self) -> None:
-        self.buffer: torch.Tensor | None = None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if _state is None:
-            return x
-        num_bytes = x.numel() * x.element_size()
-        if self.buffer is None or num_bytes > self.buffer.numel():
-            dist.all_reduce(x)
-            return x
-        part = self.buffer[:num_bytes].view(x.dtype).view(x.shape)
-        torch.ops.symm_mem.one_shot_all_reduce_copy_out(part, x, "sum", _state.device_group_name, x)
-        return x
-
-
-def enable_one_shot_all_reduce(model: torch.nn.Module, max_bytes: int, device: torch.device) -> bool:
-    """Gives every ReduceSite of model a slice of max_bytes of one symmetric buffer (collective:
-    every rank calls it with the same model). False, and NCCL everywhere, where torch lacks it."""
-    sites = [value for module in model.modules() for value in vars(module).values() if isinstance(value, ReduceSite)]
-    if _state is None or device.type != "cuda" or not sites:
-        return False
-    if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out"):
-        return False
-    import torch.distributed._symmetric_memory as symm_mem
-
-    max_bytes = -(-max_bytes // 128) * 128  # every slice starts 128-byte aligned, as an allocation does
-    buffer = symm_mem.empty(len(sites) * max_bytes, dtype=torch.uint8, device=device)
-    symm_mem.rendezvous(buffer, _state.device_group_name)
-    for index, site in enumerate(sites):
-        site.buffer = buffer[index * max_bytes:(index + 1) * max_bytes]
-    return True
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks, in place (captured by CUDA graphs on NCCL)."""
+    if tp_size() > 1:
+        dist.all_reduce(x)
+    return x
 
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_service.distributed import ReduceSite, all_gather_last_dim, tp_rank, tp_size
+from worker_service.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from worker_service.layers.linear import ShardId, attach_loader, check_shape
 
 
@@ -36,17 +36,13 @@ class VocabEmbedding(VocabParallelWeight):
     the others) and the vectors are summed over the ranks: exact, since one rank adds a value and
     the others add zeros."""
 
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
-        super().__init__(vocab_size, hidden_size)
-        self.reduce = ReduceSite()
-
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
         is_here = (local >= 0) & (local < self.rows_per_rank)
         hidden = F.embedding(local.clamp(0, self.rows_per_rank - 1), self.weight)
-        return self.reduce(hidden * is_here.unsqueeze(-1).to(hidden.dtype))
+        return all_reduce(hidden * is_here.unsqueeze(-1).to(hidden.dtype))
 
 
 class LMHead(VocabParallelWeight):

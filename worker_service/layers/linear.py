@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_service.distributed import ReduceSite, tp_rank, tp_size
+from worker_service.distributed import all_reduce, tp_rank, tp_size
 
 ShardId = int | str | None
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
@@ -82,7 +82,6 @@ class RowLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__(split_evenly(input_size, "row-parallel input size"), output_size, bias)
         self.full_input_size = input_size
-        self.reduce = ReduceSite()
         attach_loader(self.weight, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
@@ -94,7 +93,7 @@ class RowLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:
             return F.linear(x, self.weight, self.bias)
-        out = self.reduce(F.linear(x, self.weight))
+        out = all_reduce(F.linear(x, self.weight))
         return out + self.bias if self.bias is not None else out
 
 
