@@ -11,10 +11,12 @@ A file that cannot be read raises ValueError naming it, so the CLI reports it as
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 
 
-def _read(path: str, what: str) -> bytes:
+def _read(path: str | Path, what: str) -> bytes:
     try:
         with open(path, "rb") as file:
             return file.read()
@@ -30,8 +32,8 @@ def server_credentials(cert_file: str, key_file: str, client_ca_file: str | None
                                        require_client_auth=client_ca is not None)
 
 
-def channel_credentials(ca_file: str | None = None, cert_file: str | None = None,
-                        key_file: str | None = None) -> grpc.ChannelCredentials:
+def channel_credentials(ca_file: str | Path | None = None, cert_file: str | Path | None = None,
+                        key_file: str | Path | None = None) -> grpc.ChannelCredentials:
     """TLS for a client channel; cert_file and key_file (both or neither) for mutual TLS."""
     if bool(cert_file) != bool(key_file):
         raise ValueError("tls cert and key: give both or neither")
