@@ -18,10 +18,11 @@ import threading
 
 from common.config import ObservabilityConfig, PublicServerConfig, SchedulerConfig, WorkerConfig, WorkerLinkConfig
 from common.config_flags import to_argv
+from common.ports import check_port_free
 from common.worker_link import SECRET_ENV, new_secret
 from scheduler_service.async_engine import AsyncEngine
 from scheduler_service.main import SchedulerServiceConfig, run_scheduler_async
-from scheduler_service.public_server import check_port_free
+from scheduler_service.public_server import PORT_IN_USE
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ def _stop_worker(worker: subprocess.Popen) -> None:
 def run_serve(config: WorkerConfig, scheduler: SchedulerConfig, public: PublicServerConfig,
               observability: ObservabilityConfig, tokenizer: str | None = None) -> int:
     """Runs a worker process with config and the scheduler with the rest until SIGTERM or SIGINT."""
-    check_port_free(public.host, public.port)  # before loading a model in the worker
+    check_port_free(public.host, public.port, PORT_IN_USE)  # before loading a model in the worker
     port = _free_port()
     link = WorkerLinkConfig(new_secret())  # the worker inherits it through its environment
     service = SchedulerServiceConfig(scheduler, public, link, (f"127.0.0.1:{port}",), observability,
