@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import grpc
 
@@ -30,12 +30,16 @@ logger = logging.getLogger(__name__)
 RECONNECT_DELAY_S = 1.0
 
 
-def worker_info_from(describe: worker_pb2.DescribeResponse, num_kv_blocks: int) -> WorkerInfo:
-    return WorkerInfo(model_name=describe.model_name, dtype=describe.dtype, block_size=describe.block_size,
+def engine_core_from(config: SchedulerConfig, describe: worker_pb2.DescribeResponse,
+                     init_cache: worker_pb2.InitCacheResponse, extra_eos_token_ids: Iterable[int]) -> EngineCore:
+    """The engine of a worker that answered Describe and InitCache: its limits and KV blocks, and its
+    EOS ids with extra_eos_token_ids (the tokenizer's)."""
+    info = WorkerInfo(model_name=describe.model_name, dtype=describe.dtype, block_size=describe.block_size,
                       max_model_len=describe.max_model_len, vocab_size=describe.vocab_size,
-                      num_kv_blocks=num_kv_blocks, device=describe.device, max_num_seqs=describe.max_num_seqs,
-                      max_num_batched_tokens=describe.max_num_batched_tokens,
+                      num_kv_blocks=init_cache.num_kv_blocks, device=describe.device,
+                      max_num_seqs=describe.max_num_seqs, max_num_batched_tokens=describe.max_num_batched_tokens,
                       eos_token_ids=tuple(describe.eos_token_ids))
+    return EngineCore(config, info, {*describe.eos_token_ids, *extra_eos_token_ids})
 
 
 class WorkerLane:
@@ -133,13 +137,13 @@ class WorkerLane:
                     logger.error("worker %s refused us: %s; retrying", self.worker.address, complaint)
                 last_complaint = complaint
                 await asyncio.sleep(RECONNECT_DELAY_S)
-        info = worker_info_from(describe, reply.num_kv_blocks)
-        eos = set(describe.eos_token_ids) | self.extra_eos_token_ids
-        core = EngineCore(self.config, info, eos)
+        core = engine_core_from(self.config, describe, reply, self.extra_eos_token_ids)
+        info = core.worker_info
         self._cancel_loss_timer()
         core.adopt([seq for seq in self.orphans if not seq.is_finished])
         self.orphans = []
-        self.model_info = dataclasses.replace(info, max_model_len=core.max_model_len, eos_token_ids=tuple(sorted(eos)))
+        self.model_info = dataclasses.replace(info, max_model_len=core.max_model_len,
+                                              eos_token_ids=tuple(sorted(core.eos_token_ids)))
         self.core = core
         if self._was_lost:
             self.metrics.counters.worker_recoveries += 1
