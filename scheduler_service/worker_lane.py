@@ -101,26 +101,30 @@ class WorkerLane:
             try:
                 await self._connect()
                 await self._drive()
-            except StepFailedError:
-                self._on_worker_lost()  # the step's requests are failed; the rest start over at once
             except Exception as error:
-                fault = classify(error)
-                if fault is None:  # a bug: fail the requests in progress rather than hang them
-                    logger.exception("engine loop of %s failed; failing its requests and starting over",
-                                     self.worker.address)
-                    self.on_failure(self, error, None)
-                    self._on_worker_lost()
-                    self.orphans = []
-                elif fault is WorkerFault.PROTOCOL:  # outside a step (a release): no request to fail
-                    logger.error("worker %s: %s (%s); its requests will be recomputed", self.worker.address,
-                                 fault.value, _describe(error))
-                    self._on_worker_lost()
-                    continue
-                else:
-                    logger.warning("worker %s: %s (%s); its requests will be recomputed once it is back",
-                                   self.worker.address, fault.value, _describe(error))
-                    self._on_worker_lost()
-                await asyncio.sleep(RECONNECT_DELAY_S)
+                self._on_worker_lost()
+                if self._handle_fault(error):
+                    await asyncio.sleep(RECONNECT_DELAY_S)
+
+    def _handle_fault(self, error: Exception) -> bool:
+        """Logs why the loop stopped (its requests are parked for recompute already) and fails the
+        requests it must; True when reconnecting should wait, False to reconnect at once."""
+        if isinstance(error, StepFailedError):
+            return False  # the step's requests are failed; the rest start over at once
+        fault = classify(error)
+        if fault is None:  # a bug: fail the requests in progress rather than hang them
+            logger.error("engine loop of %s failed; failing its requests and starting over", self.worker.address,
+                         exc_info=error)
+            self.on_failure(self, error, None)
+            self.orphans = []
+            return True
+        if fault is WorkerFault.PROTOCOL:  # outside a step (a release): no request to fail
+            logger.error("worker %s: %s (%s); its requests will be recomputed", self.worker.address, fault.value,
+                         _describe(error))
+            return False
+        logger.warning("worker %s: %s (%s); its requests will be recomputed once it is back", self.worker.address,
+                       fault.value, _describe(error))
+        return True
 
     async def _connect(self) -> None:
         last_complaint = None
@@ -182,24 +186,19 @@ class WorkerLane:
     async def _drive(self) -> None:
         core = self.core
         assert core is not None
-        last_launched: asyncio.Task | None = None
 
         def launch(step: InFlightStep, ahead: InFlightStep | None) -> asyncio.Task:
-            nonlocal last_launched
             # A generous deadline: the base plus per-token time for this step and the one ahead of
             # it, which the worker finishes first.
             num_tokens = step.num_tokens + (ahead.num_tokens if ahead is not None else 0)
             timeout_s = self.config.step_timeout_base_s + self.config.step_timeout_per_token_s * num_tokens
-            last_launched = asyncio.create_task(self.worker.step(step.request, timeout_s))
-            return last_launched
+            return asyncio.create_task(self.worker.step(step.request, timeout_s))
 
         def on_step(step: InFlightStep, updates: list[TokenUpdate], period_s: float | None) -> None:
             self.on_updates(updates)
             self.metrics.observe_step(core, period_s)
 
         def on_error(step: InFlightStep, error: BaseException) -> None:
-            if last_launched is not None:
-                last_launched.cancel()  # the step after the failed one (or that one, done: a no-op)
             if classify(error) is not WorkerFault.PROTOCOL:
                 return
             # The step's requests end with INTERNAL, logged once here; the others are recomputed.
