@@ -57,7 +57,7 @@ def teacher_forced(model: str, batch: list[list[int]], continuations: list[list[
     import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM
 
-    from worker_service.tp_group import _free_port
+    from common.ports import free_port
 
     sequences = [(p + c, len(p)) for p, c in zip(batch, continuations, strict=True)]
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).cuda().eval()
@@ -67,7 +67,7 @@ def teacher_forced(model: str, batch: list[list[int]], continuations: list[list[
     del hf
     torch.cuda.empty_cache()
     out_path = str(Path(tempfile.mkdtemp()) / "logits.pt")
-    mp.start_processes(_teacher_forced_rank, args=(model, sequences, f"tcp://127.0.0.1:{_free_port()}", out_path),
+    mp.start_processes(_teacher_forced_rank, args=(model, sequences, f"tcp://127.0.0.1:{free_port()}", out_path),
                        nprocs=2, start_method="spawn")
     ours = torch.load(out_path)
     relative_error = ((ours - reference).norm() / reference.norm()).item()

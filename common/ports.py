@@ -1,5 +1,5 @@
-"""The ports the services listen on: is one free, before the slow start-up steps (loading a model,
-waiting for a worker)?"""
+"""Ports on this host: is one free, before the slow start-up steps (loading a model, waiting for a
+worker)? And a free one for a service this process starts itself."""
 from __future__ import annotations
 
 import errno
@@ -8,6 +8,13 @@ import socket
 
 class PortInUseError(OSError):
     """An address to listen on could not be bound (another process holds it)."""
+
+
+def free_port() -> int:
+    """A loopback TCP port free right now (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def grpc_address(host: str, port: int) -> str:

@@ -11,7 +11,6 @@ import atexit
 import logging
 import multiprocessing
 import os
-import socket
 import threading
 from multiprocessing.connection import wait
 
@@ -19,6 +18,7 @@ import torch
 
 from common.config import WorkerConfig
 from common.generated.nanovllm.worker.v1 import worker_pb2
+from common.ports import free_port
 from worker_service import step_channel
 from worker_service.distributed import destroy_tensor_parallel
 from worker_service.layers import fused_kernels
@@ -68,7 +68,7 @@ class TensorParallelCore:
         device = resolve_device(config.device, 0, size)
         # Each rank takes an equal share of the cores (on GPUs the host threads matter little).
         num_threads = max(1, torch.get_num_threads() // size) if device.type == "cpu" else torch.get_num_threads()
-        address = f"tcp://127.0.0.1:{_free_port()}"
+        address = f"tcp://127.0.0.1:{free_port()}"
         context = multiprocessing.get_context("spawn")
         self._pipes = []  # rank 0 keeps the write ends: its death closes them
         self._followers: list[multiprocessing.process.BaseProcess] = []
@@ -167,9 +167,3 @@ class TensorParallelCore:
             if other.is_alive():
                 other.kill()
         os._exit(1)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
