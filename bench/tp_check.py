@@ -57,12 +57,12 @@ def _teacher_forced_rank(rank: int, model: str, sequences: list[tuple[list[int],
 def teacher_forced(model: str, batch: list[list[int]], continuations: list[list[int]]) -> dict:
     import torch.multiprocessing as mp
 
-    from worker_service.tp_group import _free_port
+    from common.ports import free_port
 
     sequences = [(p + c, len(p)) for p, c in zip(batch, continuations, strict=True)]
     reference = {dtype: _transformers_logits(model, sequences, dtype) for dtype in (torch.float32, torch.bfloat16)}
     out_path = str(Path(tempfile.mkdtemp()) / "logits.pt")
-    mp.start_processes(_teacher_forced_rank, args=(model, sequences, f"tcp://127.0.0.1:{_free_port()}", out_path),
+    mp.start_processes(_teacher_forced_rank, args=(model, sequences, f"tcp://127.0.0.1:{free_port()}", out_path),
                        nprocs=2, start_method="spawn")
     from tests.worker_service.test_gpu_model import teacher_forced_logits
 

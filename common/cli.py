@@ -116,12 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         observability = config_from(ObservabilityConfig, args)
         configure_logging(observability.log_level, observability.log_format)
         return _run(args, observability)
-    except ValueError as error:  # a bad option value: say which, without a traceback
+    except (ValueError, OSError) as error:  # one line, no traceback
         print(f"nanovllm {args.command}: {error}", file=sys.stderr)
-        return 2
-    except OSError as error:  # e.g. the public port in use: one line, no traceback
-        print(f"nanovllm {args.command}: {error}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(error, ValueError) else 1  # 2: a bad option value; 1: e.g. the port in use
 
 
 def _run(args: argparse.Namespace, observability: ObservabilityConfig) -> int:

@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common import grpc_options
 from common.generated.nanovllm.generate.v1 import generate_pb2, generate_pb2_grpc
 from common.sampling_params import PARAMS
+from common.tls import channel_credentials
 
 Message = Mapping[str, str] | tuple[str, str]  # {"role": ..., "content": ...} or (role, content)
 
@@ -117,27 +118,13 @@ def _usage(usage: generate_pb2.Usage) -> Usage:
     return Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
 
 
-def _read(path: str | Path | None) -> bytes | None:
-    return None if path is None else Path(path).read_bytes()
-
-
-def channel_credentials(ca_cert: str | Path | None = None, client_cert: str | Path | None = None,
-                        client_key: str | Path | None = None) -> grpc.ChannelCredentials:
-    """TLS credentials from PEM files: the CA that signed the server's certificate (None: the system's
-    roots) and, for mTLS, this client's certificate and key."""
-    if (client_cert is None) != (client_key is None):
-        raise TypeError("pass client_cert and client_key together")
-    return grpc.ssl_channel_credentials(root_certificates=_read(ca_cert), private_key=_read(client_key),
-                                        certificate_chain=_read(client_cert))
-
-
 class GenerationClient:
     """Client of one server. `timeout` (seconds) is the default deadline of every call; None waits
     forever. Usable as a context manager, which closes the channel.
 
     TLS when `tls` is true or any of ca_cert, client_cert, client_key is given (PEM file paths; no
-    ca_cert: the system's root certificates). `api_key` is sent as `authorization: Bearer <key>`
-    with every call."""
+    ca_cert: the system's root certificates; common.tls reads them: ValueError for a file it cannot read,
+    or client_cert without client_key). `api_key` is sent as `authorization: Bearer <key>` with every call."""
 
     def __init__(self, target: str, *, timeout: float | None = None, tls: bool = False,
                  ca_cert: str | Path | None = None, client_cert: str | Path | None = None,

@@ -12,6 +12,8 @@ import os
 import secrets
 from collections.abc import Iterable
 
+from common.tls import read_file
+
 SECRET_ENV = "NANOVLLM_WORKER_SECRET"
 METADATA_KEY = "authorization"
 MIN_SECRET_CHARS = 16
@@ -21,11 +23,7 @@ def load_secret(secret_file: str | None) -> str:
     """The secret from secret_file (surrounding whitespace dropped) or else from $NANOVLLM_WORKER_SECRET.
     Raises ValueError when neither holds one of at least MIN_SECRET_CHARS characters."""
     if secret_file:
-        try:
-            with open(secret_file, encoding="utf-8") as file:
-                secret = file.read().strip()
-        except OSError as error:
-            raise ValueError(f"worker_secret_file: cannot read {secret_file!r}: {error.strerror}") from None
+        secret = read_file(secret_file, "worker_secret_file").decode().strip()
         source = f"worker_secret_file {secret_file!r}"
     else:
         secret = os.environ.get(SECRET_ENV, "").strip()

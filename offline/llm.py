@@ -15,10 +15,10 @@ from common.config import SchedulerConfig, WorkerConfig, split_options
 from common.gc_pauses import freeze_startup_objects
 from common.generated.nanovllm.worker.v1 import worker_pb2
 from common.sampling_params import SamplingParams
-from scheduler_service.engine_core import EngineCore, InFlightStep, TokenUpdate, drive
+from scheduler_service.engine_core import InFlightStep, TokenUpdate, drive
 from scheduler_service.sequence import Sequence
 from scheduler_service.tokenizer import eos_token_ids, load_tokenizer
-from scheduler_service.worker_lane import worker_info_from
+from scheduler_service.worker_lane import engine_core_from
 from worker_service.tp_group import TensorParallelCore, create_worker_core
 from worker_service.worker import PendingStep, WorkerCore
 
@@ -42,8 +42,7 @@ class LLM:
                 raise ValueError("num_kv_blocks: the memory budget holds no KV block")
             reply = self.worker.init_cache(worker_pb2.InitCacheRequest(num_kv_blocks=describe.num_kv_blocks))
             self.tokenizer = load_tokenizer(model)
-            eos = eos_token_ids(model, self.tokenizer) | set(self.worker.eos_token_ids)
-            self.engine = EngineCore(self.scheduler_config, worker_info_from(describe, reply.num_kv_blocks), eos)
+            self.engine = engine_core_from(self.scheduler_config, describe, reply, eos_token_ids(model, self.tokenizer))
         except BaseException:
             self.close()
             raise

@@ -15,6 +15,8 @@ from typing import Any
 
 import grpc
 
+from scheduler_service.reloading_files import ReloadingFiles
+
 logger = logging.getLogger(__name__)
 
 API_KEYS_ENV = "NANOVLLM_API_KEYS"
@@ -22,8 +24,9 @@ API_KEYS_ENV = "NANOVLLM_API_KEYS"
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
 
 
-def _parse_file(text: str) -> list[bytes]:
-    lines = (line.strip() for line in text.splitlines())
+def _read_keys(path: str) -> list[bytes]:
+    with open(path, encoding="utf-8") as file:
+        lines = (line.strip() for line in file.read().splitlines())
     return [line.encode() for line in lines if line and not line.startswith("#")]
 
 
@@ -34,10 +37,12 @@ class ApiKeys:
     def __init__(self, path: str | None, env_value: str | None) -> None:
         self.path = path
         self._env_keys = [key.strip().encode() for key in (env_value or "").split(",") if key.strip()]
-        self._file_keys: list[bytes] = []
-        self._signature: tuple[int, int, int] | None = None
+        self._file: ReloadingFiles[list[bytes]] | None = None
         if path is not None:
-            self._reload_if_changed(at_start=True)
+            try:
+                self._file = ReloadingFiles([path], lambda: _read_keys(path))
+            except (OSError, UnicodeDecodeError) as error:
+                raise ValueError(f"api_key_file: cannot read {path}: {error.__class__.__name__}") from error
         if not self.keys:
             raise ValueError("api_key_file: holds no key" if path else f"{API_KEYS_ENV}: holds no key")
 
@@ -51,32 +56,24 @@ class ApiKeys:
 
     @property
     def keys(self) -> list[bytes]:
-        return self._file_keys + self._env_keys
+        return (self._file.value if self._file is not None else []) + self._env_keys
 
-    def _reload_if_changed(self, at_start: bool = False) -> None:
-        assert self.path is not None
+    def _reload_if_changed(self) -> None:
+        if self._file is None:
+            return
         try:
-            stat = os.stat(self.path)
-            signature = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
-            if signature == self._signature:
-                return
-            with open(self.path, encoding="utf-8") as file:
-                keys = _parse_file(file.read())
+            keys = self._file.reload_if_changed()
         except (OSError, UnicodeDecodeError) as error:
-            if at_start:
-                raise ValueError(f"api_key_file: cannot read {self.path}: {error.__class__.__name__}") from error
             logger.warning("API key file %s unreadable, keeping the keys last read (%s)", self.path,
                            error.__class__.__name__)
             return
-        if not at_start:
+        if keys is not None:
             logger.info("API key file changed: %d keys", len(keys))
-        self._signature, self._file_keys = signature, keys
 
     def accepts(self, authorization: str | None) -> bool:
         """True when `authorization` is "Bearer <one of the keys>". Compared in constant time against
         every key (no early exit), so timing says nothing about which key or how much matched."""
-        if self.path is not None:
-            self._reload_if_changed()
+        self._reload_if_changed()
         scheme, _, token = (authorization or "").partition(" ")
         presented = token.strip().encode()
         matched = False

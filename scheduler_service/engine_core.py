@@ -5,10 +5,11 @@ step N's tokens return (one step of lookahead): the one loop of the worker lanes
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 
 from common.config import SchedulerConfig, WorkerInfo
@@ -199,7 +200,8 @@ async def drive(core: EngineCore,
     """Runs steps until core has nothing unfinished or in flight, step N+1 launched before step N
     is read back. launch(step, ahead) starts a step (ahead: the one in flight before it);
     on_step(step, updates, period_s) gets each step's updates in order, with the time since the
-    last result while steps follow with no idle gap; on_error(step, error) sees a failed read-back."""
+    last result while steps follow with no idle gap; on_error(step, error) sees a failed read-back,
+    after the step launched behind the failed one was cancelled (a task) or closed (a coroutine)."""
     in_flight: tuple[InFlightStep, Awaitable[worker_pb2.StepResponse]] | None = None
     last_result: float | None = None
     while core.has_unfinished or in_flight is not None:
@@ -211,6 +213,8 @@ async def drive(core: EngineCore,
             try:
                 response = await pending
             except BaseException as error:
+                if launched is not None:  # the step after the failed one is never read back
+                    _discard(launched[1])
                 if on_error is not None:
                     on_error(done, error)
                 raise
@@ -221,3 +225,11 @@ async def drive(core: EngineCore,
         elif launched is None:
             raise RuntimeError("requests are waiting but none can be scheduled")
         in_flight = launched
+
+
+def _discard(launched: Awaitable[worker_pb2.StepResponse]) -> None:
+    """Stops a launched step whose reply will not be read: cancels a task, closes a coroutine."""
+    if isinstance(launched, asyncio.Future):
+        launched.cancel()
+    elif isinstance(launched, Coroutine):
+        launched.close()

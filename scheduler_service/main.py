@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 from common.config import ObservabilityConfig, PublicServerConfig, SchedulerConfig, WorkerLinkConfig
 from common.gc_pauses import freeze_startup_objects
+from common.ports import check_port_free
 from scheduler_service.api_keys import ApiKeys
 from scheduler_service.async_engine import AsyncEngine
 from scheduler_service.metrics import MetricsServer, ServiceMetrics
-from scheduler_service.public_server import PublicServer, build_public_server, check_port_free
+from scheduler_service.public_server import PORT_IN_USE, PublicServer, build_public_server
 from scheduler_service.public_tls import check_readable
 from scheduler_service.tokenizer import eos_token_ids, load_tokenizer
 from scheduler_service.worker_client import GrpcWorkerClient
@@ -71,7 +72,7 @@ async def _start(service: SchedulerServiceConfig, on_engine: Callable[[AsyncEngi
     public = service.public
     api_keys = ApiKeys.from_config(public.api_key_file)
     check_readable({"tls_cert": public.tls_cert, "tls_key": public.tls_key, "tls_client_ca": public.tls_client_ca})
-    check_port_free(public.host, public.port)  # now, not after waiting for a worker
+    check_port_free(public.host, public.port, PORT_IN_USE)  # now, not after waiting for a worker
     # One lane per worker address: data parallelism, a block pool per worker.
     workers = [GrpcWorkerClient(address, service.link) for address in service.worker_addresses]
     tokenizer_path = service.tokenizer or await _worker_model_path(workers[0])

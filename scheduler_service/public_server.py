@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
-import socket
 from collections.abc import AsyncGenerator, AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
@@ -22,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from common import grpc_options
 from common.config import PublicServerConfig, WorkerInfo
 from common.generated.nanovllm.generate.v1 import generate_pb2, generate_pb2_grpc
+from common.ports import PortInUseError, check_port_free, grpc_address
 from common.sampling_params import SamplingParams
 from scheduler_service import request_conversion as convert
 from scheduler_service.api_keys import ApiKeyInterceptor, ApiKeys
@@ -45,33 +44,7 @@ SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["TextGeneration"].full_n
 MAX_PENDING_CALLS = 1 << 20
 
 
-class PortInUseError(OSError):
-    """The public port could not be bound (another process holds it)."""
-
-
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
-def check_port_free(host: str, port: int) -> None:
-    """Raises PortInUseError when another socket listens on host:port. grpcio would find out too, but
-    would log a multi-line error of its own first; this way the operator reads one line, and
-    start-up can check before the slow steps (loading a model) rather than after."""
-    if port == 0:
-        return
-    address = _address(host, port)
-    try:
-        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
-    except socket.gaierror:
-        return  # grpcio reports the bad address
-    for family, kind, proto, _, sockaddr in infos:
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpcio: TIME_WAIT is no conflict
-            try:
-                probe.bind(sockaddr)
-            except OSError as error:
-                if error.errno == errno.EADDRINUSE:
-                    raise PortInUseError(f"public port {address} is in use by another process") from error
+PORT_IN_USE = "public port {address} is in use by another process"
 
 
 class Engine(Protocol):
@@ -273,8 +246,8 @@ def build_public_server(engine: Engine, host: str, port: int, *,
     if config.reflection:
         reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server,
                                             pool=public_descriptor_pool())
-    address = _address(host, port)
-    check_port_free(host, port)
+    address = grpc_address(host, port)
+    check_port_free(host, port, PORT_IN_USE)
     try:
         if config.tls_cert is not None and config.tls_key is not None:
             credentials = ReloadingCertificates(config.tls_cert, config.tls_key, config.tls_client_ca)

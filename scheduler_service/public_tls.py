@@ -10,19 +10,13 @@ half-written pair.
 from __future__ import annotations
 
 import logging
-import os
-import threading
+from pathlib import Path
 
 import grpc
 
+from scheduler_service.reloading_files import ReloadingFiles
+
 logger = logging.getLogger(__name__)
-
-_Signature = tuple[tuple[int, int, int], ...]
-
-
-def _read(path: str) -> bytes:
-    with open(path, "rb") as file:
-        return file.read()
 
 
 def check_readable(files: dict[str, str | None]) -> None:
@@ -31,7 +25,7 @@ def check_readable(files: dict[str, str | None]) -> None:
         if path is None:
             continue
         try:
-            _read(path)
+            Path(path).read_bytes()
         except OSError as error:
             raise ValueError(f"{option}: cannot read {path}: {error.__class__.__name__}") from error
 
@@ -41,37 +35,29 @@ class ReloadingCertificates:
     read again whenever one of the files changes."""
 
     def __init__(self, cert_path: str, key_path: str, client_ca_path: str | None = None) -> None:
-        self.paths = [cert_path, key_path, *([client_ca_path] if client_ca_path else [])]
+        paths = [cert_path, key_path, *([client_ca_path] if client_ca_path else [])]
         self.requires_client_certificate = client_ca_path is not None
-        self._lock = threading.Lock()  # the fetcher runs on grpc's threads
-        self._signature = self._file_signature()
-        self.initial = self._load()  # raises OSError (missing file) at start-up, not at the first handshake
-
-    def _file_signature(self) -> _Signature:
-        stats = [os.stat(path) for path in self.paths]
-        return tuple((stat.st_mtime_ns, stat.st_size, stat.st_ino) for stat in stats)
-
-    def _load(self) -> grpc.ServerCertificateConfiguration:
-        cert, key, *client_ca = (_read(path) for path in self.paths)
-        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=client_ca[0] if client_ca
-                                                         else None)
+        # Raises OSError (a missing file) at start-up, not at the first handshake.
+        self._files = ReloadingFiles(paths, lambda: _configuration(paths))
 
     def fetch(self) -> grpc.ServerCertificateConfiguration | None:
         """grpc's certificate-config fetcher: a new configuration when the files changed, else None
         (keep the current one). A file that cannot be read keeps the current one too."""
-        with self._lock:
-            try:
-                signature = self._file_signature()
-                if signature == self._signature:
-                    return None
-                config = self._load()
-            except OSError as error:
-                logger.warning("TLS files unreadable, keeping the current certificate: %s", error)
-                return None
-            self._signature = signature
+        try:
+            config = self._files.reload_if_changed()
+        except OSError as error:
+            logger.warning("TLS files unreadable, keeping the current certificate: %s", error)
+            return None
+        if config is not None:
             logger.info("TLS certificate files changed: new connections use the new certificate")
-            return config
+        return config
 
     def server_credentials(self) -> grpc.ServerCredentials:
         return grpc.dynamic_ssl_server_credentials(
-            self.initial, self.fetch, require_client_authentication=self.requires_client_certificate)
+            self._files.value, self.fetch, require_client_authentication=self.requires_client_certificate)
+
+
+def _configuration(paths: list[str]) -> grpc.ServerCertificateConfiguration:
+    cert, key, *client_ca = (Path(path).read_bytes() for path in paths)
+    return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=client_ca[0] if client_ca
+                                                     else None)

@@ -11,25 +11,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
 
 from common.config import ObservabilityConfig, PublicServerConfig, SchedulerConfig, WorkerConfig, WorkerLinkConfig
 from common.config_flags import to_argv
+from common.ports import check_port_free, free_port
 from common.worker_link import SECRET_ENV, new_secret
 from scheduler_service.async_engine import AsyncEngine
 from scheduler_service.main import SchedulerServiceConfig, run_scheduler_async
-from scheduler_service.public_server import check_port_free
+from scheduler_service.public_server import PORT_IN_USE
 
 logger = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def worker_command(config: WorkerConfig, observability: ObservabilityConfig, port: int) -> list[str]:
@@ -104,8 +98,8 @@ def _stop_worker(worker: subprocess.Popen) -> None:
 def run_serve(config: WorkerConfig, scheduler: SchedulerConfig, public: PublicServerConfig,
               observability: ObservabilityConfig, tokenizer: str | None = None) -> int:
     """Runs a worker process with config and the scheduler with the rest until SIGTERM or SIGINT."""
-    check_port_free(public.host, public.port)  # before loading a model in the worker
-    port = _free_port()
+    check_port_free(public.host, public.port, PORT_IN_USE)  # before loading a model in the worker
+    port = free_port()
     link = WorkerLinkConfig(new_secret())  # the worker inherits it through its environment
     service = SchedulerServiceConfig(scheduler, public, link, (f"127.0.0.1:{port}",), observability,
                                      tokenizer or config.model)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import grpc
 
@@ -30,12 +30,16 @@ logger = logging.getLogger(__name__)
 RECONNECT_DELAY_S = 1.0
 
 
-def worker_info_from(describe: worker_pb2.DescribeResponse, num_kv_blocks: int) -> WorkerInfo:
-    return WorkerInfo(model_name=describe.model_name, dtype=describe.dtype, block_size=describe.block_size,
+def engine_core_from(config: SchedulerConfig, describe: worker_pb2.DescribeResponse,
+                     init_cache: worker_pb2.InitCacheResponse, extra_eos_token_ids: Iterable[int]) -> EngineCore:
+    """The engine of a worker that answered Describe and InitCache: its limits and KV blocks, and its
+    EOS ids with extra_eos_token_ids (the tokenizer's)."""
+    info = WorkerInfo(model_name=describe.model_name, dtype=describe.dtype, block_size=describe.block_size,
                       max_model_len=describe.max_model_len, vocab_size=describe.vocab_size,
-                      num_kv_blocks=num_kv_blocks, device=describe.device, max_num_seqs=describe.max_num_seqs,
-                      max_num_batched_tokens=describe.max_num_batched_tokens,
+                      num_kv_blocks=init_cache.num_kv_blocks, device=describe.device,
+                      max_num_seqs=describe.max_num_seqs, max_num_batched_tokens=describe.max_num_batched_tokens,
                       eos_token_ids=tuple(describe.eos_token_ids))
+    return EngineCore(config, info, {*describe.eos_token_ids, *extra_eos_token_ids})
 
 
 class WorkerLane:
@@ -97,26 +101,30 @@ class WorkerLane:
             try:
                 await self._connect()
                 await self._drive()
-            except StepFailedError:
-                self._on_worker_lost()  # the step's requests are failed; the rest start over at once
             except Exception as error:
-                fault = classify(error)
-                if fault is None:  # a bug: fail the requests in progress rather than hang them
-                    logger.exception("engine loop of %s failed; failing its requests and starting over",
-                                     self.worker.address)
-                    self.on_failure(self, error, None)
-                    self._on_worker_lost()
-                    self.orphans = []
-                elif fault is WorkerFault.PROTOCOL:  # outside a step (a release): no request to fail
-                    logger.error("worker %s: %s (%s); its requests will be recomputed", self.worker.address,
-                                 fault.value, _describe(error))
-                    self._on_worker_lost()
-                    continue
-                else:
-                    logger.warning("worker %s: %s (%s); its requests will be recomputed once it is back",
-                                   self.worker.address, fault.value, _describe(error))
-                    self._on_worker_lost()
-                await asyncio.sleep(RECONNECT_DELAY_S)
+                self._on_worker_lost()
+                if self._handle_fault(error):
+                    await asyncio.sleep(RECONNECT_DELAY_S)
+
+    def _handle_fault(self, error: Exception) -> bool:
+        """Logs why the loop stopped (its requests are parked for recompute already) and fails the
+        requests it must; True when reconnecting should wait, False to reconnect at once."""
+        if isinstance(error, StepFailedError):
+            return False  # the step's requests are failed; the rest start over at once
+        fault = classify(error)
+        if fault is None:  # a bug: fail the requests in progress rather than hang them
+            logger.error("engine loop of %s failed; failing its requests and starting over", self.worker.address,
+                         exc_info=error)
+            self.on_failure(self, error, None)
+            self.orphans = []
+            return True
+        if fault is WorkerFault.PROTOCOL:  # outside a step (a release): no request to fail
+            logger.error("worker %s: %s (%s); its requests will be recomputed", self.worker.address, fault.value,
+                         _describe(error))
+            return False
+        logger.warning("worker %s: %s (%s); its requests will be recomputed once it is back", self.worker.address,
+                       fault.value, _describe(error))
+        return True
 
     async def _connect(self) -> None:
         last_complaint = None
@@ -133,13 +141,13 @@ class WorkerLane:
                     logger.error("worker %s refused us: %s; retrying", self.worker.address, complaint)
                 last_complaint = complaint
                 await asyncio.sleep(RECONNECT_DELAY_S)
-        info = worker_info_from(describe, reply.num_kv_blocks)
-        eos = set(describe.eos_token_ids) | self.extra_eos_token_ids
-        core = EngineCore(self.config, info, eos)
+        core = engine_core_from(self.config, describe, reply, self.extra_eos_token_ids)
+        info = core.worker_info
         self._cancel_loss_timer()
         core.adopt([seq for seq in self.orphans if not seq.is_finished])
         self.orphans = []
-        self.model_info = dataclasses.replace(info, max_model_len=core.max_model_len, eos_token_ids=tuple(sorted(eos)))
+        self.model_info = dataclasses.replace(info, max_model_len=core.max_model_len,
+                                              eos_token_ids=tuple(sorted(core.eos_token_ids)))
         self.core = core
         if self._was_lost:
             self.metrics.counters.worker_recoveries += 1
@@ -178,24 +186,19 @@ class WorkerLane:
     async def _drive(self) -> None:
         core = self.core
         assert core is not None
-        last_launched: asyncio.Task | None = None
 
         def launch(step: InFlightStep, ahead: InFlightStep | None) -> asyncio.Task:
-            nonlocal last_launched
             # A generous deadline: the base plus per-token time for this step and the one ahead of
             # it, which the worker finishes first.
             num_tokens = step.num_tokens + (ahead.num_tokens if ahead is not None else 0)
             timeout_s = self.config.step_timeout_base_s + self.config.step_timeout_per_token_s * num_tokens
-            last_launched = asyncio.create_task(self.worker.step(step.request, timeout_s))
-            return last_launched
+            return asyncio.create_task(self.worker.step(step.request, timeout_s))
 
         def on_step(step: InFlightStep, updates: list[TokenUpdate], period_s: float | None) -> None:
             self.on_updates(updates)
             self.metrics.observe_step(core, period_s)
 
         def on_error(step: InFlightStep, error: BaseException) -> None:
-            if last_launched is not None:
-                last_launched.cancel()  # the step after the failed one (or that one, done: a no-op)
             if classify(error) is not WorkerFault.PROTOCOL:
                 return
             # The step's requests end with INTERNAL, logged once here; the others are recomputed.

@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from common.config import WorkerLinkConfig
 from common.generated.nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
 from common.grpc_options import server_options
+from common.ports import PortInUseError
 from common.tls import server_credentials
 from worker_service.errors import ClaimRefusedError, SessionLostError
 from worker_service.interceptors import ErrorInterceptor, SecretInterceptor
@@ -103,10 +104,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         async with self._turn:
             self._check_session(request.session_id)
             return self.core.release(request)
-
-
-class PortInUseError(OSError):
-    """The worker's address could not be bound."""
 
 
 def server_credentials_for(link: WorkerLinkConfig) -> grpc.ServerCredentials | None:

@@ -25,24 +25,30 @@ from worker_service.worker import PendingStep, WorkerCore
 logger = logging.getLogger(__name__)
 
 
-def run_follower(rank: int, world_size: int, config: WorkerConfig, init_address: str, from_rank0: Connection,
-                 log_level: int, num_threads: int) -> None:
+def run_follower(rank: int, config: WorkerConfig, init_address: str, from_rank0: Connection, log_level: int,
+                 num_threads: int) -> None:
     """The process entry point (spawned by rank 0)."""
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
     threading.Thread(target=_exit_when_rank0_dies, args=(from_rank0,), daemon=True, name="rank0-watch").start()
-    torch.set_num_threads(num_threads)
-    device = resolve_device(config.device, rank, world_size)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    init_tensor_parallel(rank, world_size, init_address, device)
-    if device.type == "cuda" and not config.enforce_eager:  # as rank 0 does (tp_group.create_worker_core)
-        fused_kernels.enable()
-
-    core = WorkerCore(config)
+    core = start_rank(config, rank, init_address, num_threads)
     logger.debug("rank %d ready", rank)
     _serve(core)
     core.close()
     destroy_tensor_parallel()
+
+
+def start_rank(config: WorkerConfig, rank: int, init_address: str, num_threads: int) -> WorkerCore:
+    """This process as `rank` of config's group (any rank, 0 included): its share of the host's threads,
+    its device, the process group that meets at init_address, and its shard of the model."""
+    size = config.tensor_parallel_size
+    torch.set_num_threads(num_threads)
+    device = resolve_device(config.device, rank, size)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    init_tensor_parallel(rank, size, init_address, device)
+    if device.type == "cuda" and not config.enforce_eager:  # process-wide: each rank sets it for itself
+        fused_kernels.enable()
+    return WorkerCore(config)
 
 
 def _serve(core: WorkerCore) -> None:

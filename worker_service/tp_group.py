@@ -11,7 +11,6 @@ import atexit
 import logging
 import multiprocessing
 import os
-import socket
 import threading
 from multiprocessing.connection import wait
 
@@ -19,13 +18,14 @@ import torch
 
 from common.config import WorkerConfig
 from common.generated.nanovllm.worker.v1 import worker_pb2
+from common.ports import free_port
 from worker_service import step_channel
-from worker_service.distributed import destroy_tensor_parallel, init_tensor_parallel
+from worker_service.distributed import destroy_tensor_parallel
 from worker_service.layers import fused_kernels
 from worker_service.model_loading import read_model_config
 from worker_service.model_runner import resolve_device
 from worker_service.step_channel import MessageKind
-from worker_service.tp_follower import run_follower
+from worker_service.tp_follower import run_follower, start_rank
 from worker_service.worker import PendingStep, WorkerCore
 
 logger = logging.getLogger(__name__)
@@ -33,11 +33,11 @@ logger = logging.getLogger(__name__)
 
 def create_worker_core(config: WorkerConfig) -> WorkerCore | TensorParallelCore:
     """The worker of config: a WorkerCore, or rank 0 of a tensor-parallel group."""
+    if config.tensor_parallel_size > 1:
+        return TensorParallelCore(config)  # each rank enables the fused kernels (tp_follower.start_rank)
     if resolve_device(config.device).type == "cuda" and not config.enforce_eager:
-        fused_kernels.enable()  # process-wide, so set where the worker starts (tp_follower: other ranks)
-    if config.tensor_parallel_size == 1:
-        return WorkerCore(config)
-    return TensorParallelCore(config)
+        fused_kernels.enable()  # process-wide, so set where the worker starts
+    return WorkerCore(config)
 
 
 def check_tensor_parallel(config: WorkerConfig) -> None:
@@ -68,8 +68,7 @@ class TensorParallelCore:
         device = resolve_device(config.device, 0, size)
         # Each rank takes an equal share of the cores (on GPUs the host threads matter little).
         num_threads = max(1, torch.get_num_threads() // size) if device.type == "cpu" else torch.get_num_threads()
-        torch.set_num_threads(num_threads)
-        address = f"tcp://127.0.0.1:{_free_port()}"
+        address = f"tcp://127.0.0.1:{free_port()}"
         context = multiprocessing.get_context("spawn")
         self._pipes = []  # rank 0 keeps the write ends: its death closes them
         self._followers: list[multiprocessing.process.BaseProcess] = []
@@ -77,7 +76,7 @@ class TensorParallelCore:
             reader, writer = context.Pipe(duplex=False)
             process = context.Process(
                 target=run_follower, name=f"nanovllm-tp-rank{rank}",
-                args=(rank, size, config, address, reader, logging.getLogger().getEffectiveLevel(), num_threads))
+                args=(rank, config, address, reader, logging.getLogger().getEffectiveLevel(), num_threads))
             process.start()
             reader.close()
             self._pipes.append(writer)
@@ -88,10 +87,7 @@ class TensorParallelCore:
         # for ranks that wait for its next message.
         atexit.register(self._kill_followers)
         try:
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
-            init_tensor_parallel(0, size, address, device)
-            self.core = WorkerCore(config)
+            self.core = start_rank(config, 0, address, num_threads)
         except BaseException:
             self._kill_followers()
             destroy_tensor_parallel()
@@ -171,9 +167,3 @@ class TensorParallelCore:
             if other.is_alive():
                 other.kill()
         os._exit(1)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

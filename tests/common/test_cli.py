@@ -20,6 +20,16 @@ def test_bad_option_values_exit_2_naming_the_option(args: list[str], message: st
     assert result.stderr.strip().splitlines()[-1] == f"nanovllm {args[0]}: {message}"
 
 
+
+def test_health_with_an_unreadable_tls_file_exits_2_naming_it(tmp_path) -> None:
+    """The client reads its PEM files with common.tls, as the services do: a bad option, exit 2."""
+    missing = tmp_path / "ca.pem"
+    result = run_cli("health", "--target", "127.0.0.1:1", "--ca-cert", str(missing))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith(f"nanovllm health: tls ca: cannot read '{missing}'")
+    result = run_cli("health", "--target", "127.0.0.1:1", "--client-cert", str(missing))
+    assert (result.returncode, result.stderr) == (2, "nanovllm health: tls cert and key: give both or neither\n")
+
 def test_serve_hands_every_worker_field_to_its_worker_command() -> None:
     from common.cli import build_parser, worker_config
     from common.config import ObservabilityConfig, WorkerConfig

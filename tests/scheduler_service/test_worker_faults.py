@@ -6,6 +6,7 @@ session is recomputed; a worker that stays lost fails the parked requests after 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,6 +18,7 @@ from common.config import SchedulerConfig
 from common.generated.nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
 from common.sampling_params import SamplingParams
 from scheduler_service.async_engine import AsyncEngine
+from scheduler_service.engine_core import InFlightStep, drive
 from scheduler_service.errors import WorkerLostError, WorkerStepError
 from scheduler_service.sequence import FinishReason
 from scheduler_service.worker_client import GrpcWorkerClient
@@ -333,3 +335,46 @@ def test_a_protocol_error_fails_its_steps_requests_once_and_the_others_complete(
     complaints = [record for record in caplog.records
                   if record.levelno >= logging.WARNING and record.name.startswith("scheduler_service")]
     assert complaints == about_the_fault
+
+
+class TwoStepCore:
+    """drive()'s view of an engine with two steps to send."""
+
+    def __init__(self) -> None:
+        self.steps = [InFlightStep(i, worker_pb2.StepRequest(step_id=i), {}) for i in (1, 2)]
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.steps)
+
+    def build_step(self) -> InFlightStep | None:
+        return self.steps.pop(0) if self.steps else None
+
+
+@pytest.mark.parametrize("as_task", [True, False])
+def test_drive_stops_the_step_launched_behind_a_failed_one(as_task: bool) -> None:
+    """The lanes launch tasks (cancelled), the offline LLM coroutines (closed, never run)."""
+    async def reply(step_id: int) -> worker_pb2.StepResponse:
+        if step_id == 1:
+            raise rpc_error(grpc.StatusCode.INTERNAL, "step 1 failed")
+        await asyncio.sleep(60)  # on the wire
+        return worker_pb2.StepResponse(step_id=step_id)
+
+    async def scenario() -> None:
+        launched = []
+
+        def launch(step: InFlightStep, ahead: InFlightStep | None):
+            launched.append(asyncio.ensure_future(reply(step.step_id)) if as_task else reply(step.step_id))
+            return launched[-1]
+
+        failed = []
+        with pytest.raises(grpc.aio.AioRpcError):
+            await drive(TwoStepCore(), launch, lambda *_: None, lambda step, error: failed.append(step.step_id))
+        assert failed == [1]
+        if as_task:
+            await asyncio.sleep(0)
+            assert launched[1].cancelled()
+        else:
+            assert inspect.getcoroutinestate(launched[1]) == inspect.CORO_CLOSED
+
+    run(scenario())
