@@ -1,9 +1,10 @@
 """The scheduler service's engine: requests in, token deltas out, over one worker lane per worker.
 
 Requests enter through generate(), an async iterator of RequestOutput; each new request goes to the
-ready lane with the fewest unfinished requests (data parallelism: one block pool per lane). If the
-caller stops iterating (client cancelled, deadline passed) the sequence is aborted at once: its
-blocks return to the pool and the worker is told to release it.
+ready lane with the least outstanding work in tokens (scheduler_service/lane_loads.py; data
+parallelism: one block pool per lane). If the caller stops iterating (client cancelled, deadline
+passed) the sequence is aborted at once: its blocks return to the pool and the worker is told to
+release it.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from common.config import SchedulerConfig, WorkerInfo
 from common.sampling_params import SamplingParams
 from scheduler_service.engine_core import TokenUpdate
 from scheduler_service.errors import EngineUnavailableError, WorkerLostError, WorkerStepError
+from scheduler_service.lane_loads import Charge, LaneLoads
 from scheduler_service.load_report import LoadReport, load_report
 from scheduler_service.metrics import ServiceMetrics
 from scheduler_service.sequence import FinishReason, Sequence
@@ -78,6 +80,7 @@ class _Request:
     seq: Sequence
     lane: WorkerLane
     outputs: _Outbox
+    charge: Charge  # its outstanding work on its lane
 
 
 class AsyncEngine:
@@ -98,6 +101,7 @@ class AsyncEngine:
         self.lanes = [WorkerLane(config, worker, set(eos_token_ids or ()), self._dispatch, self._fail_lane,
                                  self._ready.set, self.metrics) for worker in workers]
         self.metrics.set_load_source(self.load)
+        self.lane_loads = LaneLoads()
         self._requests: dict[int, _Request] = {}
         self._draining = False
 
@@ -154,13 +158,17 @@ class AsyncEngine:
         lanes = self.ready_lanes
         if not lanes:
             raise EngineUnavailableError("no worker is ready")
-        return min(lanes, key=lambda lane: lane.num_unfinished)
+        return self.lane_loads.least_loaded(lanes)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs. Stopping the iteration early aborts the request at once."""
         lane = self._pick_lane()
-        seq = lane.core.add_request(prompt_token_ids, params, self.tokenizer)  # type: ignore[union-attr]
-        request = _Request(seq, lane, _Outbox())
+        core = lane.core
+        assert core is not None  # the lane is ready
+        seq = core.add_request(prompt_token_ids, params, self.tokenizer)
+        num_prompt = len(prompt_token_ids)
+        charge = self.lane_loads.admit(lane, num_prompt, min(params.max_tokens, core.max_model_len - num_prompt))
+        request = _Request(seq, lane, _Outbox(), charge)
         self._requests[seq.seq_id] = request
         lane.wakeup.set()
         try:
@@ -179,6 +187,7 @@ class AsyncEngine:
             if not seq.is_finished:
                 lane.abort(seq)
             self._requests.pop(seq.seq_id, None)
+            self.lane_loads.finish(charge)
 
     async def shutdown(self, grace_s: float = 30.0) -> None:
         """Refuses new requests, lets running ones finish for up to grace_s, aborts the rest. Requests
@@ -201,11 +210,12 @@ class AsyncEngine:
     def _dispatch(self, updates: list[TokenUpdate]) -> None:
         """One delta per request per step (a step of several decode iterations brings several
         tokens to each: one update)."""
-        requests = self._requests
+        requests, progress = self._requests, self.lane_loads.progress
         for update in updates:
             request = requests.get(update.seq.seq_id)
             if request is None:
                 continue
+            progress(request.charge, len(update.token_ids))
             if update.finished:
                 request.outputs.put(self._final_output(request, update))
             else:
