@@ -1,9 +1,10 @@
 """The scheduler service's engine: requests in, token deltas out, over one worker lane per worker.
 
 Requests enter through generate(), an async iterator of RequestOutput; each new request goes to the
-ready lane with the fewest unfinished requests (data parallelism: one block pool per lane). If the
-caller stops iterating (client cancelled, deadline passed) the sequence is aborted at once: its
-blocks return to the pool and the worker is told to release it.
+ready lane with the least outstanding work in tokens (scheduler_service/lane_loads.py; data
+parallelism: one block pool per lane). If the caller stops iterating (client cancelled, deadline
+passed) the sequence is aborted at once: its blocks return to the pool and the worker is told to
+release it.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from common.config import SchedulerConfig, WorkerInfo
 from common.sampling_params import SamplingParams
 from scheduler_service.engine_core import TokenUpdate
 from scheduler_service.errors import EngineUnavailableError, WorkerLostError, WorkerStepError
+from scheduler_service.lane_loads import Charge, LaneLoads
 from scheduler_service.load_report import LoadReport, load_report
 from scheduler_service.metrics import ServiceMetrics
 from scheduler_service.sequence import FinishReason, Sequence
@@ -28,7 +30,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["AsyncEngine", "LoadReport", "RequestOutput"]
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """One delta of a request's output."""
 
@@ -45,11 +47,40 @@ class RequestOutput:
     queue_time_s: float | None = None  # set on the last output, once the request was ever scheduled
 
 
-@dataclass
+class _Outbox:
+    """A request's outputs (or the exception that ends it) not yet taken by its consumer. Cheaper
+    than an asyncio.Queue: the consumer takes everything queued at once, and a put only wakes it
+    when it waits."""
+
+    __slots__ = ("items", "_waiter")
+
+    def __init__(self) -> None:
+        self.items: list[RequestOutput | Exception] = []
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        self.items.append(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def take(self) -> list[RequestOutput | Exception]:
+        """Everything queued, in order; waits for the first item."""
+        while not self.items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        items, self.items = self.items, []
+        return items
+
+
+@dataclass(slots=True)
 class _Request:
     seq: Sequence
     lane: WorkerLane
-    outputs: asyncio.Queue[RequestOutput]
+    outputs: _Outbox
+    charge: Charge  # its outstanding work on its lane
 
 
 class AsyncEngine:
@@ -70,6 +101,7 @@ class AsyncEngine:
         self.lanes = [WorkerLane(config, worker, set(eos_token_ids or ()), self._dispatch, self._fail_lane,
                                  self._ready.set, self.metrics) for worker in workers]
         self.metrics.set_load_source(self.load)
+        self.lane_loads = LaneLoads()
         self._requests: dict[int, _Request] = {}
         self._draining = False
 
@@ -126,24 +158,28 @@ class AsyncEngine:
         lanes = self.ready_lanes
         if not lanes:
             raise EngineUnavailableError("no worker is ready")
-        return min(lanes, key=lambda lane: lane.num_unfinished)
+        return self.lane_loads.least_loaded(lanes)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs. Stopping the iteration early aborts the request at once."""
         lane = self._pick_lane()
-        seq = lane.core.add_request(prompt_token_ids, params, self.tokenizer)  # type: ignore[union-attr]
-        request = _Request(seq, lane, asyncio.Queue())
+        core = lane.core
+        assert core is not None  # the lane is ready
+        seq = core.add_request(prompt_token_ids, params, self.tokenizer)
+        num_prompt = len(prompt_token_ids)
+        charge = self.lane_loads.admit(lane, num_prompt, min(params.max_tokens, core.max_model_len - num_prompt))
+        request = _Request(seq, lane, _Outbox(), charge)
         self._requests[seq.seq_id] = request
         lane.wakeup.set()
         try:
             while True:
-                items = [await request.outputs.get(), *_drain(request.outputs)]
-                failure = next((item for item in items if isinstance(item, Exception)), None)
-                if isinstance(failure, EngineUnavailableError | WorkerStepError):
-                    raise type(failure)(str(failure))  # a documented status: UNAVAILABLE, INTERNAL
-                if failure is not None:
-                    raise RuntimeError(f"the engine failed: {failure!r}") from failure
-                output = _merge(items)
+                items = await request.outputs.take()
+                for item in items:
+                    if isinstance(item, EngineUnavailableError | WorkerStepError):
+                        raise type(item)(str(item))  # a documented status: UNAVAILABLE, INTERNAL
+                    if isinstance(item, Exception):
+                        raise RuntimeError(f"the engine failed: {item!r}") from item
+                output = _merge(items)  # type: ignore[arg-type]
                 yield output
                 if output.finished:
                     return
@@ -151,6 +187,7 @@ class AsyncEngine:
             if not seq.is_finished:
                 lane.abort(seq)
             self._requests.pop(seq.seq_id, None)
+            self.lane_loads.finish(charge)
 
     async def shutdown(self, grace_s: float = 30.0) -> None:
         """Refuses new requests, lets running ones finish for up to grace_s, aborts the rest. Requests
@@ -163,50 +200,53 @@ class AsyncEngine:
         for request in list(self._requests.values()):
             request.lane.abort(request.seq)
             if request.lane.is_ready:
-                request.outputs.put_nowait(self._final_output(request, []))
+                request.outputs.put(self._final_output(request, None))
             else:
-                request.outputs.put_nowait(WorkerLostError("worker lost: the service is shutting down"))  # type: ignore[arg-type]
+                request.outputs.put(WorkerLostError("worker lost: the service is shutting down"))
         await asyncio.gather(*(lane.close() for lane in self.lanes))
 
     # Outputs.
 
     def _dispatch(self, updates: list[TokenUpdate]) -> None:
         """One delta per request per step (a step of several decode iterations brings several
-        tokens to each)."""
-        seq_id_to_updates: dict[int, list[TokenUpdate]] = {}
+        tokens to each: one update)."""
+        requests, progress = self._requests, self.lane_loads.progress
         for update in updates:
-            seq_id_to_updates.setdefault(update.seq.seq_id, []).append(update)
-        for seq_id, seq_updates in seq_id_to_updates.items():
-            request = self._requests.get(seq_id)
+            request = requests.get(update.seq.seq_id)
             if request is None:
                 continue
-            if seq_updates[-1].finished:
-                request.outputs.put_nowait(self._final_output(request, seq_updates))
+            progress(request.charge, len(update.token_ids))
+            if update.finished:
+                request.outputs.put(self._final_output(request, update))
             else:
-                request.outputs.put_nowait(self._delta(request, seq_updates, finished=False))
+                request.outputs.put(self._delta(request, update, finished=False))
 
     def _fail_lane(self, lane: WorkerLane, error: Exception, sequences: list[Sequence] | None) -> None:
         """Ends the lane's requests for sequences (all of them when None) with error."""
         seq_ids = None if sequences is None else {seq.seq_id for seq in sequences}
         for request in list(self._requests.values()):
             if request.lane is lane and (seq_ids is None or request.seq.seq_id in seq_ids):
-                request.outputs.put_nowait(error)  # type: ignore[arg-type]
+                request.outputs.put(error)
 
-    def _final_output(self, request: _Request, updates: list[TokenUpdate]) -> RequestOutput:
+    def _final_output(self, request: _Request, update: TokenUpdate | None) -> RequestOutput:
         if request.seq.detokenizer is not None:
             request.seq.detokenizer.finish()
-        return self._delta(request, updates, finished=True)
+        return self._delta(request, update, finished=True)
 
     @staticmethod
-    def _delta(request: _Request, updates: list[TokenUpdate], finished: bool) -> RequestOutput:
+    def _delta(request: _Request, update: TokenUpdate | None, finished: bool) -> RequestOutput:
+        """The request's delta for update (None: no new tokens); the update's lists are handed on,
+        not copied (nothing else keeps them)."""
         seq = request.seq
         detokenizer = seq.detokenizer
         text = detokenizer.take_delta(finished) if detokenizer is not None else ""
+        if update is None:
+            update = TokenUpdate(seq)
         return RequestOutput(
             text=text,
-            token_ids=[u.token_id for u in updates],
-            logprobs=[u.logprob for u in updates if u.logprob is not None],
-            top_logprobs=[u.top_logprobs for u in updates if u.logprob is not None],
+            token_ids=update.token_ids,
+            logprobs=update.logprobs,
+            top_logprobs=update.top_logprobs,
             finished=finished,
             finish_reason=seq.finish_reason if finished else None,
             matched_stop=seq.matched_stop if finished else None,
@@ -215,13 +255,6 @@ class AsyncEngine:
             num_cached_tokens=seq.num_cached_tokens,
             queue_time_s=seq.queue_time_s if finished else None,
         )
-
-
-def _drain(queue: asyncio.Queue[RequestOutput]) -> list[RequestOutput]:
-    items = []
-    while not queue.empty():
-        items.append(queue.get_nowait())
-    return items
 
 
 def _merge(outputs: list[RequestOutput]) -> RequestOutput:

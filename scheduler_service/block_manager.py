@@ -119,6 +119,8 @@ class BlockManager:
     def allocate_slots(self, seq: Sequence, num_tokens: int) -> bool:
         """Grows seq's block table to hold num_tokens tokens; False (and no change) if the pool
         lacks blocks."""
+        if num_tokens <= len(seq.block_table) * self.block_size:
+            return True  # the common case, once per sequence per step: room in its last block
         num_missing = self.num_blocks_for(num_tokens) - len(seq.block_table)
         if num_missing > self.num_free_blocks:
             return False
@@ -150,9 +152,9 @@ class BlockManager:
 
     def register_computed_blocks(self, seq: Sequence) -> None:
         """Registers every full block of seq whose K/V are now computed in the prefix cache."""
-        if not self.enable_prefix_caching:
-            return
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        if num_full <= len(seq.block_hashes) or not self.enable_prefix_caching:
+            return  # the common case, once per sequence per step: no block filled up
         for index in range(len(seq.block_hashes), num_full):
             parent = seq.block_hashes[-1] if seq.block_hashes else NO_PARENT_HASH
             tokens = seq.token_ids[index * self.block_size:(index + 1) * self.block_size]

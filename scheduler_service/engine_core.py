@@ -11,6 +11,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
+from itertools import groupby
+from operator import attrgetter
 
 from common.config import SchedulerConfig, WorkerInfo
 from common.generated.nanovllm.worker.v1 import worker_pb2
@@ -25,12 +27,13 @@ from scheduler_service.step_builder import build_step_request
 
 @dataclass(slots=True)
 class TokenUpdate:
-    """What one step added to one sequence."""
+    """What one step added to one sequence: its new tokens in order (several for a step of several
+    decode iterations), their logprobs when asked, and whether the last of them ended it."""
 
     seq: Sequence
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # for the tokens that carry one
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finished: bool = False
 
 
@@ -47,6 +50,7 @@ class InFlightStep:
     num_tokens: int = 0
 
 logger = logging.getLogger(__name__)
+_SEQ_ID_OF = attrgetter("seq_id")
 
 
 def _clamped_to_worker(config: SchedulerConfig, worker: WorkerInfo) -> SchedulerConfig:
@@ -145,52 +149,92 @@ class EngineCore:
         step_id = self._next_step_id
         self._next_step_id += 1
         request = build_step_request(step_id, output)
-        scheduled = {item.seq.seq_id: (item.seq, item.seq.num_preemptions) for item in output.scheduled}
-        num_tokens = sum(item.num_tokens for item in output.scheduled)  # decode iterations included
+        scheduled = {}
+        num_tokens = 0  # decode iterations included
+        for item in output.scheduled:
+            seq = item.seq
+            scheduled[seq.seq_id] = (seq, seq.num_preemptions)
+            num_tokens += item.num_tokens
         return InFlightStep(step_id, request, scheduled, num_tokens)
 
     def process_step(self, step: InFlightStep, response: worker_pb2.StepResponse) -> list[TokenUpdate]:
+        """Appends the step's tokens to their sequences and checks stop conditions: one update per
+        sequence that got tokens. Tokens of a sequence that stopped or was preempted while the
+        step ran are dropped, and so are those after a token that ends its sequence."""
         if response.step_id != step.step_id:
             raise RuntimeError(f"worker answered step {response.step_id} to step {step.step_id}")
-        updates: list[TokenUpdate] = []
         scheduled = step.scheduled
-        for sampled in response.tokens:
-            seq, epoch = scheduled[sampled.seq_id]
+        seq_id_to_update: dict[int, TokenUpdate] = {}
+        # A reply lists each sequence's tokens together: one group each (a worker that splits them
+        # gets the same result, joined).
+        for seq_id, samples in groupby(response.tokens, _SEQ_ID_OF):
+            seq, epoch = scheduled[seq_id]
             if seq.is_finished or seq.num_preemptions != epoch:
-                continue  # stopped or preempted while the step ran: the token is dropped
-            token_id = sampled.token_id
-            seq.append_token(token_id)
-            update = TokenUpdate(seq, token_id)
-            if seq.sampling_params.logprobs and sampled.HasField("logprob"):
-                update.logprob = sampled.logprob
-                update.top_logprobs = [(t.token_id, t.logprob) for t in sampled.top_logprobs]
-            reason, matched_stop = self._stop(seq, token_id)
-            if reason is not None:
-                self.scheduler.finish(seq, reason, matched_stop)
-                update.finished = True
-            updates.append(update)
-        for seq, epoch in step.scheduled.values():
+                continue  # stopped or preempted while the step ran: the tokens are dropped
+            update = self._append_tokens(seq, samples)
+            previous = seq_id_to_update.get(seq_id)
+            seq_id_to_update[seq_id] = update if previous is None else _joined(previous, update)
+        register = self.block_manager.register_computed_blocks
+        for seq, epoch in scheduled.values():
             if not seq.is_finished and seq.num_preemptions == epoch:
-                self.block_manager.register_computed_blocks(seq)
-        return updates
+                register(seq)
+        return list(seq_id_to_update.values())
 
-    def _stop(self, seq: Sequence, token_id: int) -> tuple[FinishReason | None, str | int | None]:
-        """Whether the new token ends seq, and the stop it matched. The token's text is added here:
-        a completed stop string ends seq at once, so that no later token of the step follows it."""
+    def _append_tokens(self, seq: Sequence, samples: Iterable[worker_pb2.SampledToken]) -> TokenUpdate:
+        """Appends tokens to seq up to the first that ends it, and finishes it then."""
+        wants_logprobs = seq.sampling_params.logprobs
+        if wants_logprobs:
+            samples = list(samples)
+        token_ids = [sampled.token_id for sampled in samples]
+        reason, matched_stop, num_kept = self._first_stop(seq, token_ids)
+        if num_kept < len(token_ids):
+            del token_ids[num_kept:]
+        seq.append_tokens(token_ids)
+        if reason is not None:
+            self.scheduler.finish(seq, reason, matched_stop)
+        update = TokenUpdate(seq, token_ids, finished=reason is not None)
+        if wants_logprobs:
+            for sampled in samples[:num_kept]:  # type: ignore[index]
+                if sampled.HasField("logprob"):
+                    update.logprobs.append(sampled.logprob)
+                    update.top_logprobs.append([(t.token_id, t.logprob) for t in sampled.top_logprobs])
+        return update
+
+    def _first_stop(self, seq: Sequence, token_ids: list[int]) -> tuple[FinishReason | None, str | int | None, int]:
+        """The first of seq's new tokens that ends it: (why, the stop it matched, how many tokens are
+        kept). Each kept token's text is added on the way, so that a completed stop string ends seq
+        at once and no later token follows it."""
         params = seq.sampling_params
-        reason, matched_stop = None, None
-        if token_id in params.stop_token_ids:
-            reason, matched_stop = FinishReason.STOP, token_id
-        elif not params.ignore_eos and token_id in self.eos_token_ids:
-            reason = FinishReason.STOP
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = FinishReason.LENGTH
+        stop_token_ids = params.stop_token_ids
+        eos_token_ids = () if params.ignore_eos else self.eos_token_ids
+        # LENGTH once the output reaches max_tokens or the sequence max_model_len (a sequence
+        # already there ends with its first new token).
+        num_left = max(min(seq.num_prompt_tokens + params.max_tokens, self.max_model_len) - seq.num_tokens, 1)
         detokenizer = seq.detokenizer
-        if detokenizer is None or (reason is FinishReason.STOP and not params.include_stop_in_output):
-            return reason, matched_stop  # the EOS or stop token itself adds no text
-        if detokenizer.add_token(token_id) is not None and reason is not FinishReason.STOP:
-            return FinishReason.STOP_SEQUENCE, detokenizer.matched_stop
-        return reason, matched_stop
+        if detokenizer is None and not stop_token_ids and not eos_token_ids:
+            if num_left <= len(token_ids):
+                return FinishReason.LENGTH, None, num_left
+            return None, None, len(token_ids)
+        stop_adds_text = params.include_stop_in_output  # else the EOS or stop token adds no text
+        for index, token_id in enumerate(token_ids):
+            reason, matched_stop = None, None
+            if token_id in stop_token_ids:
+                reason, matched_stop = FinishReason.STOP, token_id
+            elif token_id in eos_token_ids:
+                reason = FinishReason.STOP
+            elif index + 1 >= num_left:
+                reason = FinishReason.LENGTH
+            if detokenizer is not None and (reason is not FinishReason.STOP or stop_adds_text):
+                if detokenizer.add_token(token_id) is not None and reason is not FinishReason.STOP:
+                    reason, matched_stop = FinishReason.STOP_SEQUENCE, detokenizer.matched_stop
+            if reason is not None:
+                return reason, matched_stop, index + 1
+        return None, None, len(token_ids)
+
+
+def _joined(first: TokenUpdate, second: TokenUpdate) -> TokenUpdate:
+    return TokenUpdate(first.seq, first.token_ids + second.token_ids, first.logprobs + second.logprobs,
+                       first.top_logprobs + second.top_logprobs, second.finished)
 
 
 async def drive(core: EngineCore,

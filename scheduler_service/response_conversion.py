@@ -46,8 +46,9 @@ def set_final_fields(message: Response, output: RequestOutput) -> None:
 
 
 def stream_response(request_id: str, output: RequestOutput) -> generate_pb2.GenerateStreamResponse:
-    message = generate_pb2.GenerateStreamResponse(
-        request_id=request_id, text=output.text, token_ids=output.token_ids, logprobs=token_logprobs(output))
+    message = generate_pb2.GenerateStreamResponse(request_id=request_id, text=output.text, token_ids=output.token_ids)
+    if output.logprobs:
+        message.logprobs.extend(token_logprobs(output))
     if output.finished:
         set_final_fields(message, output)
     return message
@@ -63,7 +64,8 @@ class ResponseAccumulator:
     def add(self, output: RequestOutput) -> None:
         self.text_parts.append(output.text)
         self.response.token_ids.extend(output.token_ids)
-        self.response.logprobs.extend(token_logprobs(output))
+        if output.logprobs:
+            self.response.logprobs.extend(token_logprobs(output))
         if output.finished:
             set_final_fields(self.response, output)
 

@@ -123,12 +123,13 @@ class Scheduler:
 
     def _num_tokens_to_compute(self, seq: Sequence) -> int:
         """Tokens seq can compute now; 0 when a step in flight will finish it anyway."""
+        num_tokens = seq.num_scheduled_tokens_total
         if seq.num_pending_tokens and (
-            seq.num_scheduled_tokens_total >= self.max_model_len
-            or seq.num_output_tokens + seq.num_pending_tokens >= seq.sampling_params.max_tokens
+            num_tokens >= self.max_model_len
+            or num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens  # outputs, pending included
         ):
             return 0
-        return seq.num_uncomputed_tokens
+        return num_tokens - seq.num_computed_tokens
 
     def _preempt(self, seq: Sequence, output: SchedulerOutput) -> None:
         self.running.remove(seq)

@@ -5,7 +5,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Any
+from typing import Any, NamedTuple
 
 from common.lookahead import num_sampled_tokens
 from common.sampling_params import SamplingParams
@@ -33,7 +33,7 @@ class Sequence:
 
     num_computed_tokens counts tokens whose K/V are in the cache; tokens beyond it are still to be
     computed (a prompt or its rest, or the last sampled token during decode). Fields change only
-    through the transitions below (admit, schedule, append_token, preempt, finish), except the
+    through the transitions below (admit, schedule, append_tokens, preempt, finish), except the
     block table and block hashes, which belong to the BlockManager.
     """
 
@@ -126,10 +126,10 @@ class Sequence:
         self.worker_holds_last_token = num_samples > 0
         return scheduled
 
-    def append_token(self, token_id: int) -> None:
-        """A token sampled by a step in flight arrived."""
-        self.num_pending_tokens -= 1
-        self.token_ids.append(token_id)
+    def append_tokens(self, token_ids: list[int]) -> None:
+        """Tokens sampled by a step in flight arrived (several: a step of several decode iterations)."""
+        self.num_pending_tokens -= len(token_ids)
+        self.token_ids.extend(token_ids)
 
     def preempt(self) -> None:
         """Back to waiting, to be recomputed from its tokens (its blocks are freed first). Tokens of
@@ -153,9 +153,9 @@ class Sequence:
         self.worker_holds_last_token = False
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledSequence:
-    """What one step does for one sequence, and what the worker must be sent for it."""
+class ScheduledSequence(NamedTuple):
+    """What one step does for one sequence, and what the worker must be sent for it. A named tuple:
+    one is made per sequence per step, and a frozen dataclass costs several times more to build."""
 
     seq: Sequence
     num_tokens: int  # tokens to compute this step, starting at start_position

@@ -26,8 +26,7 @@ def add(scheduler: Scheduler, num_tokens: int, first_token: int = 0, max_tokens:
 def complete(scheduler: Scheduler, output: SchedulerOutput, token: int = 7) -> None:
     """What the engine does with the worker's reply: sampled tokens appended, blocks registered."""
     for item in output.scheduled:
-        for _ in range(item.num_samples):
-            item.seq.append_token(token)
+        item.seq.append_tokens([token] * item.num_samples)
         scheduler.block_manager.register_computed_blocks(item.seq)
 
 

@@ -1,0 +1,62 @@
+"""EngineCore.process_step on replies of several decode iterations: one update per sequence, tokens
+after the one that ends a sequence dropped, a sequence's tokens joined when a reply splits them."""
+from __future__ import annotations
+
+from common.config import SchedulerConfig, WorkerInfo
+from common.generated.nanovllm.worker.v1 import worker_pb2
+from common.sampling_params import SamplingParams
+from scheduler_service.engine_core import EngineCore, InFlightStep
+from scheduler_service.sequence import FinishReason, Sequence
+
+INFO = WorkerInfo(model_name="fake", dtype="fake", block_size=16, max_model_len=256, vocab_size=100,
+                  num_kv_blocks=64, device="fake", eos_token_ids=(99,))
+
+
+def reply(step: InFlightStep, tokens: list[tuple[int, int]]) -> worker_pb2.StepResponse:
+    response = worker_pb2.StepResponse(step_id=step.step_id)
+    for seq_id, token_id in tokens:
+        response.tokens.add(seq_id=seq_id, token_id=token_id, logprob=-0.5)
+    return response
+
+
+def decoding(core: EngineCore, *params: SamplingParams) -> tuple[list[Sequence], InFlightStep]:
+    """Sequences past their prefill (first token 1) and the step of 4 decode iterations after it."""
+    sequences = [core.add_request([5, 6, 7], p) for p in params]
+    prefill = core.build_step()
+    decode = core.build_step()  # launched before the prefill's reply, as drive() does
+    core.process_step(prefill, reply(prefill, [(seq.seq_id, 1) for seq in sequences]))
+    assert decode.request.num_decode_steps == 4
+    return sequences, decode
+
+
+def test_a_stop_token_drops_the_tokens_after_it_and_others_keep_theirs() -> None:
+    core = EngineCore(SchedulerConfig(num_decode_steps=4), INFO, eos_token_ids=[99])
+    (stopping, other), step = decoding(core, SamplingParams(max_tokens=50, stop_token_ids=[42], logprobs=True),
+                                       SamplingParams(max_tokens=50))
+    updates = core.process_step(step, reply(step, [(stopping.seq_id, t) for t in (3, 42, 4, 5)]
+                                            + [(other.seq_id, t) for t in (8, 9, 10, 11)]))
+    assert [(u.seq, u.token_ids, u.finished) for u in updates] == [(stopping, [3, 42], True),
+                                                                   (other, [8, 9, 10, 11], False)]
+    assert updates[0].logprobs == [-0.5, -0.5] and updates[1].logprobs == []
+    assert (stopping.finish_reason, stopping.matched_stop) == (FinishReason.STOP, 42)
+    assert stopping.output_token_ids == [1, 3, 42] and other.output_token_ids == [1, 8, 9, 10, 11]
+    assert other.num_pending_tokens == 0
+
+
+def test_max_tokens_and_eos_end_a_sequence_mid_step() -> None:
+    core = EngineCore(SchedulerConfig(num_decode_steps=4), INFO, eos_token_ids=[99])
+    (short, eos), step = decoding(core, SamplingParams(max_tokens=3), SamplingParams(max_tokens=50))
+    updates = core.process_step(step, reply(step, [(short.seq_id, t) for t in (2, 3, 4, 5)]
+                                            + [(eos.seq_id, t) for t in (7, 99, 8, 9)]))
+    assert [(u.token_ids, u.finished) for u in updates] == [([2, 3], True), ([7, 99], True)]
+    assert short.finish_reason is FinishReason.LENGTH and short.num_output_tokens == 3
+    assert eos.finish_reason is FinishReason.STOP and eos.matched_stop is None
+
+
+def test_a_sequences_tokens_split_over_a_reply_make_one_update() -> None:
+    core = EngineCore(SchedulerConfig(num_decode_steps=4), INFO, eos_token_ids=[99])
+    (first, second), step = decoding(core, SamplingParams(max_tokens=50), SamplingParams(max_tokens=50))
+    updates = core.process_step(step, reply(step, [(first.seq_id, 2), (first.seq_id, 3), (second.seq_id, 4),
+                                                   (first.seq_id, 5), (first.seq_id, 6)]))
+    assert [(u.seq, u.token_ids) for u in updates] == [(first, [2, 3, 5, 6]), (second, [4])]
+    assert first.output_token_ids == [1, 2, 3, 5, 6]
