@@ -7,6 +7,8 @@
 #   inprocess   bench/throughput.py, in-process only
 #   fp8         bench/throughput.py in-process with --kv-cache-dtype fp8 (twice, one device call), then the
 #               fp8 KV quality test on the tiny models (tests/worker_service/test_gpu_fp8_kv.py)
+#   metrics     bench/throughput.py through gRPC with the scheduler's metrics recorded and served, and with
+#               --metrics-port 0 (nothing recorded), twice each in alternating order (issue 11's 1 % bound)
 #   hf          bench/throughput.py, transformers' continuous batching vs ours on the first 32
 #   serving     bench/serving.py against `nanovllm worker` + `nanovllm scheduler` (random Qwen3-0.6B):
 #               Poisson rates 4..32 and inf on the reference workload, single-stream 512/2048, then 256
@@ -62,6 +64,10 @@ for s in ${@:-tests attention throughput}; do
          done
          timeout 300 python3 -m pytest -q -s -x -p no:cacheprovider tests/worker_service/test_gpu_fp8_kv.py \
            tests/worker_service/test_triton_fp8_kv.py 2>&1 | tee "$OUT/fp8-tests.log" | tail -15 ;;
+    metrics) for order in grpc,grpc-no-metrics grpc-no-metrics,grpc; do
+               timeout 280 python3 bench/throughput.py --modes $order --hf-num-seqs 0 \
+                 --json-out "$OUT/metrics-${order%%,*}-first.json" 2>&1 | tee "$OUT/metrics-${order%%,*}-first.log" | tail -6
+             done ;;
     hf) timeout 540 python3 bench/throughput.py --modes inprocess,hf --json-out "$OUT/hf.json" \
              2>&1 | tee "$OUT/hf.log" | tail -25 ;;
     serving) serving_stage ;;
