@@ -33,7 +33,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from bench.workload import bench_workload  # noqa: E402
+from common.ports import free_port  # noqa: E402
+from tests.services_harness import stop  # noqa: E402
 
 SECRET = "scheduler-capacity-bench-secret"
 BPE_VOCAB_SIZE = 16384
@@ -72,12 +73,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="cpu: the scheduler thread's CPU clock (for a busy machine; more overhead per call)")
     parser.add_argument("--json-out")
     return parser.parse_args(argv)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def cpu_seconds(pid: int) -> float | None:
@@ -116,16 +111,6 @@ def make_model_folder(kind: str, folder: Path) -> tuple[int, int]:
 def start(command: list[str], **popen) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "NANOVLLM_WORKER_SECRET": SECRET}
     return subprocess.Popen(command, cwd=REPO_ROOT, env=env, **popen)
-
-
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def run_once(args: argparse.Namespace, num_workers: int, model: Path, tokens: tuple[int, int]) -> dict:
