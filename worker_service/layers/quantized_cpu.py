@@ -40,13 +40,18 @@ class Int4Linear(nn.Module):
         self.output_size = rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.max_quantized_tokens:
+        num_tokens = x.shape[0]
+        if num_tokens > self.max_quantized_tokens:
             return self.dense(x)
         # x = high + low, both bfloat16: 16 mantissa bits of the input instead of 8, in one call (the
-        # weights are read once for both halves, and reading them is the cost at these sizes)
-        high = x.to(torch.bfloat16)
-        both = torch.cat([high, (x - high.to(x.dtype)).to(torch.bfloat16)])
+        # weights are read once for both halves, and reading them is the cost at these sizes). Written
+        # into one buffer, and the halves summed in x's dtype, in as few ops as that takes: at decode
+        # sizes each op's dispatch costs about as much as its work.
+        both = x.new_empty((2 * num_tokens, x.shape[1]), dtype=torch.bfloat16)
+        high = both[:num_tokens]
+        high.copy_(x)
+        torch.sub(x, high, out=both[num_tokens:])  # in x's dtype (type promotion), then rounded
         halves = torch.ops.aten._weight_int4pack_mm_for_cpu(both, self.packed, GROUP_SIZE, self.scales_and_zeros)
-        out = halves[: x.shape[0]].to(x.dtype) + halves[x.shape[0] :].to(x.dtype)
+        out = halves[:num_tokens].to(x.dtype).add_(halves[num_tokens:])
         bias = getattr(self.dense, "bias", None)
-        return out if bias is None else out + bias
+        return out if bias is None else out.add_(bias)
