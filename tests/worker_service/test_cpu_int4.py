@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 from worker_service.attention import get_attention_backend  # noqa: E402
 from worker_service.attention.base import AttentionMetadata  # noqa: E402
 from worker_service.cpu_quantization import resolve_cpu_weight_format  # noqa: E402
-from worker_service.layers.quantized_cpu import Int4Linear  # noqa: E402
+from worker_service.layers.quantized_cpu import Int4Linear, Int8Head  # noqa: E402
 from worker_service.loader.gguf_file import GGUFFile  # noqa: E402
 from worker_service.loader.gguf_int4 import read_int4_groups  # noqa: E402
 from worker_service.loader.gguf_loader import unpermute_rotary_rows  # noqa: E402
@@ -56,6 +56,22 @@ def test_int4_groups_hold_the_files_weights(model_path: Path) -> None:
     assert read_int4_groups(gguf, "token_embd.weight") is None  # Q8_0
 
 
+def test_int8_head_keeps_the_float32_logits_of_its_best_candidates() -> None:
+    generator = torch.Generator().manual_seed(0)
+    dense = torch.nn.Linear(64, 5000, bias=False)
+    dense.weight.data = torch.randn(5000, 64, generator=generator)
+    head = Int8Head(dense, num_exact=8)
+    hidden = torch.randn(3, 64, generator=generator)
+    exact = dense(hidden)
+    logits = head(hidden)
+    assert torch.equal(logits.argmax(dim=-1), exact.argmax(dim=-1))
+    best = exact.topk(4, dim=-1).indices  # among the 8 the int8 logits pick, so recomputed in float32
+    torch.testing.assert_close(logits.gather(-1, best), exact.gather(-1, best), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, exact, rtol=0.02, atol=0.5)  # int8 weights, bfloat16 logits elsewhere
+    many = torch.randn(17, 64, generator=generator)  # more rows than decode: the float32 head itself
+    assert torch.equal(head(many), dense(many))
+
+
 def _teacher_forced_top1(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
     """Top-1 next token at every position, the text fed in CHUNK-token steps through a paged cache."""
     num_blocks = -(-len(token_ids) // BLOCK_SIZE)
@@ -91,6 +107,7 @@ def test_int4_agrees_with_float32_on_real_text(model_path: Path) -> None:
         model, _ = load_checkpoint(str(model_path), torch.float32, torch.device("cpu"), backend, weight_format)
         wrappers = [m for m in model.modules() if isinstance(m, Int4Linear)]
         assert len(wrappers) == (0 if weight_format == "float32" else 4 * 30)
+        assert isinstance(model.lm_head, Int8Head) == (weight_format == "int4")
         top1[weight_format] = _teacher_forced_top1(model, token_ids[:NUM_POSITIONS])
         del model
     agreement = (top1["int4"] == top1["float32"]).float().mean().item()

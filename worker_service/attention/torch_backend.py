@@ -93,7 +93,9 @@ def _gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: t
 def _batched_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
                     seq_lens: list[int], scale: float) -> torch.Tensor:
     """One query token per sequence, all sequences at once over their contexts padded to the
-    longest: a few large operations instead of a few small ones per sequence."""
+    longest: a few large operations instead of a few small ones per sequence. On a CPU each op costs
+    microseconds of dispatch, as much as its work at decode sizes: so no mask when no context is
+    padded (always so for one sequence), and matmuls rather than einsum (the same products, fewer ops)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[-2]
     max_len = max(seq_lens)
@@ -101,18 +103,21 @@ def _batched_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     blocks = metadata.block_tables[:, :num_blocks].long()
     k = k_cache[blocks].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].float()
     v = v_cache[blocks].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].float()
-    is_padding = torch.arange(max_len, device=q.device)[None, :] >= torch.tensor(seq_lens, device=q.device)[:, None]
-    if v.is_cuda:
-        # A GPU cache starts uninitialised: padding slots may hold NaN, and 0 * NaN is NaN. (The
-        # CPU cache starts zeroed and only ever holds real K/V.)
-        v = v.masked_fill(is_padding[:, :, None, None], 0.0)
+    is_padding = None
+    if min(seq_lens) < max_len:
+        is_padding = torch.arange(max_len, device=q.device)[None, :] >= torch.tensor(seq_lens, device=q.device)[:, None]
+        if v.is_cuda:
+            # A GPU cache starts uninitialised: padding slots may hold NaN, and 0 * NaN is NaN. (The
+            # CPU cache starts zeroed and only ever holds real K/V.)
+            v = v.masked_fill(is_padding[:, :, None, None], 0.0)
     # GQA: query head h reads kv head h // group, so the heads split as [kv_head, group].
     grouped = q.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("bkgd,blkd->bkgl", grouped, k) * scale
-    scores.masked_fill_(is_padding[:, None, None, :], float("-inf"))
+    scores = torch.matmul(grouped, k.permute(0, 2, 3, 1)).mul_(scale)  # [seqs, kv_heads, group, max_len]
+    if is_padding is not None:
+        scores.masked_fill_(is_padding[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bkgl,blkd->bkgd", probs, v)
-    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+    out = torch.matmul(probs, v.transpose(1, 2))
+    return out.view(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
