@@ -17,7 +17,6 @@ from worker_service.cpu_quantization import resolve_cpu_weight_format
 from worker_service.cuda_graphs import DecodeGraphs
 from worker_service.decode_plan import DecodePlan
 from worker_service.distributed import broadcast_from_first, min_over_ranks, tp_rank, tp_size
-from worker_service.layers import cpu_kernels
 from worker_service.memory_profile import HEAVIEST_SAMPLING, PLAIN_SAMPLING, warmup_chunks
 from worker_service.model_loading import load_checkpoint
 from worker_service.sampling.sampler import Sampler, SamplerOutput, stack_iterations
@@ -65,8 +64,6 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device, tp_rank(), tp_size())
         self.dtype = resolve_dtype(config.dtype, self.device)
-        if self.device.type == "cpu":
-            cpu_kernels.enable()
         torch.manual_seed(config.seed)
         backend_name = config.attention_backend
         if backend_name == "auto":

@@ -46,8 +46,7 @@ def start_rank(config: WorkerConfig, rank: int, init_address: str, num_threads: 
     if device.type == "cuda":
         torch.cuda.set_device(device)
     init_tensor_parallel(rank, size, init_address, device)
-    if device.type == "cuda" and not config.enforce_eager:  # process-wide: each rank sets it for itself
-        fused_kernels.enable()
+    fused_kernels.enable_for(device, config.enforce_eager)  # process-wide: each rank sets it for itself
     return WorkerCore(config)
 
 

@@ -35,8 +35,7 @@ def create_worker_core(config: WorkerConfig) -> WorkerCore | TensorParallelCore:
     """The worker of config: a WorkerCore, or rank 0 of a tensor-parallel group."""
     if config.tensor_parallel_size > 1:
         return TensorParallelCore(config)  # each rank enables the fused kernels (tp_follower.start_rank)
-    if resolve_device(config.device).type == "cuda" and not config.enforce_eager:
-        fused_kernels.enable()  # process-wide, so set where the worker starts
+    fused_kernels.enable_for(resolve_device(config.device), config.enforce_eager)
     return WorkerCore(config)
 
 

@@ -1,5 +1,5 @@
-"""The CPU kernels (fewer ops) give the same bits as the reference kernels they replace, and the
-runner of a CPU worker installs them."""
+"""The CPU kernels (fewer ops) give the same bits as the reference kernels they replace, and
+a worker starting on a CPU installs them (fused_kernels.enable_for)."""
 from __future__ import annotations
 
 import pytest

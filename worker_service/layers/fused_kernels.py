@@ -2,17 +2,28 @@
 compiled by torch.compile (Inductor emits one Triton kernel for each), SiLU-and-mul as a hand-written
 Triton kernel (a plain 2-D grid; Inductor's dynamic-shape one took 5.1 us per decode call on an
 H200), instead of the five to ten small kernels each takes eagerly. In a decode step those small
-kernels, not bandwidth, would dominate. The eager versions stay the reference and run on CPUs."""
+kernels, not bandwidth, would dominate. The eager versions stay the reference; CPUs take the
+fewer-op eager ones of cpu_kernels (`enable_for` chooses by device)."""
 from __future__ import annotations
 
 import logging
 
 import torch
 
-from worker_service.layers import activation, norm, rotary
+from worker_service.layers import activation, cpu_kernels, norm, rotary
 
 logger = logging.getLogger(__name__)
 _enabled = False
+
+
+def enable_for(device: torch.device, enforce_eager: bool) -> None:
+    """The elementwise kernels of a worker process on device (process-wide, so called where a worker
+    or a tensor-parallel rank starts): compiled ones on a GPU with CUDA graphs, fewer-op eager ones
+    on a CPU, the reference ones otherwise."""
+    if device.type == "cuda" and not enforce_eager:
+        enable()
+    elif device.type == "cpu":
+        cpu_kernels.enable()
 
 
 def enable() -> None:
