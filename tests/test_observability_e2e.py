@@ -55,6 +55,17 @@ class Services:
         lines = [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
         return [line for line in lines if line["logger"] == "nanovllm.requests"]
 
+    def __enter__(self) -> Services:
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def close(self) -> None:
         self.client.close()
         self.channel.close()
@@ -67,12 +78,8 @@ class Services:
 def two_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
     folder = tmp_path_factory.mktemp("observability")
     model = model_with_tokenizer(folder, num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64)
-    services = Services(model, folder / "scheduler.log", 2, "--num-kv-blocks", "64")
-    try:
-        services.wait_ready()
+    with Services(model, folder / "scheduler.log", 2, "--num-kv-blocks", "64") as services:
         yield services
-    finally:
-        services.close()
 
 
 def test_requests_and_tokens_are_counted(two_workers: Services) -> None:
@@ -138,12 +145,8 @@ def tight_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
     folder = tmp_path_factory.mktemp("tight")
     model = model_with_tokenizer(folder, num_heads=8, num_kv_heads=4, head_dim=64, hidden_size=512,
                                  intermediate_size=2048, num_layers=8, max_position_embeddings=1024)
-    services = Services(model, folder / "scheduler.log", 1, "--num-kv-blocks", "8")
-    try:
-        services.wait_ready()
+    with Services(model, folder / "scheduler.log", 1, "--num-kv-blocks", "8") as services:
         yield services
-    finally:
-        services.close()
 
 
 def test_running_load_then_a_preemption(tight_pool: Services) -> None:
