@@ -14,6 +14,7 @@
 #               Poisson rates 4..32 and inf on the reference workload, single-stream 512/2048, then 256
 #               concurrent streams of 1024+256 tokens; JSON and the scheduler's /metrics in $OUT
 #               (plot afterwards where matplotlib is: python bench/serving.py --from-json F --plot F.png)
+#   latency     bench/single_stream.py (one stream in-process, profiled), then single-stream points through gRPC
 # Logs go to $OUT (or ./out). Expects a CUDA machine with torch, triton, transformers; carried
 # wheels in .whl (grpcio 1.85, health checking, reflection) are installed first if present.
 set -uo pipefail
@@ -24,15 +25,18 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
-serving_stage() {
-  local model=/tmp/nanovllm-bench/random-qwen3-0.6b wport=50161 port=50151 mport=50191
+start_services() {  # a worker and a scheduler on the random Qwen3-0.6B; extra scheduler flags as arguments
+  model=/tmp/nanovllm-bench/random-qwen3-0.6b wport=50161 port=50151 mport=50191
   NANOVLLM_WORKER_SECRET=$(python3 -c "import secrets; print(secrets.token_hex(16))"); export NANOVLLM_WORKER_SECRET
   python3 -c "from pathlib import Path; from bench.random_checkpoint import make_random_checkpoint as m; m(Path('$model'))"
   python3 -m common.cli --log-level WARNING worker --model "$model" --port $wport >"$OUT/serving-worker.log" 2>&1 &
-  local worker=$!
+  worker=$!
   python3 -m common.cli --log-level WARNING scheduler --worker 127.0.0.1:$wport --port $port --metrics-port $mport \
-    >"$OUT/serving-scheduler.log" 2>&1 &
-  local scheduler=$!
+    "$@" >"$OUT/serving-scheduler.log" 2>&1 &
+  scheduler=$!
+}
+serving_stage() {
+  start_services
   timeout 420 python3 bench/serving.py --target 127.0.0.1:$port --request-rates 4,8,16,32,inf \
     --json-out "$OUT/serving.json" 2>&1 | tee "$OUT/serving.log" | tail -12
   timeout 120 python3 bench/serving.py --target 127.0.0.1:$port --request-rates inf --max-concurrency 256 \
@@ -40,6 +44,13 @@ serving_stage() {
     --json-out "$OUT/serving-c256.json" 2>&1 | tee "$OUT/serving-c256.log" | tail -4
   python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$mport/metrics').read().decode())" \
     >"$OUT/serving-metrics.txt"
+  kill $scheduler $worker; wait $scheduler $worker
+}
+latency_stage() {  # one stream in-process (with profiles), then through gRPC
+  timeout 300 python3 bench/single_stream.py 2>&1 | grep -v Warn | tee "$OUT/single-stream.log" | tail -80
+  start_services
+  timeout 200 python3 bench/serving.py --target 127.0.0.1:$port --request-rates "" --num-warmup 4 \
+    --json-out "$OUT/latency-grpc.json" 2>&1 | tee "$OUT/latency-grpc.log" | tail -6
   kill $scheduler $worker; wait $scheduler $worker
 }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
@@ -71,6 +82,7 @@ for s in ${@:-tests attention throughput}; do
     hf) timeout 540 python3 bench/throughput.py --modes inprocess,hf --json-out "$OUT/hf.json" \
              2>&1 | tee "$OUT/hf.log" | tail -25 ;;
     serving) serving_stage ;;
+    latency) latency_stage ;;
     *) echo "unknown stage $s" ;;
   esac
 done

@@ -47,6 +47,7 @@ def variants() -> list[Variant]:
     from worker_service.attention.triton_rope_store import _rope_store_kernel
     from worker_service.attention.triton_store_kv import _store_kv_kernel
     from worker_service.layers.triton_activation import _silu_and_mul_kernel
+    from worker_service.layers.triton_norm import _rms_norm_kernel
     from worker_service.sampling.fused_sampling import _gumbel_chunk_kernel, _reduce_chunks_kernel
 
     cache = dict(BLOCK_SIZE=256, HEAD_DIM=128)
@@ -75,6 +76,8 @@ def variants() -> list[Variant]:
         ]
     result += [
         Variant("silu and mul", _silu_and_mul_kernel, dict(BLOCK=1024)),
+        *(Variant(f"rms norm residual={residual}", _rms_norm_kernel, dict(HAS_RESIDUAL=residual, BLOCK=1024),
+                  floats=("eps",), options=dict(num_warps=4)) for residual in (False, True)),
         Variant("gumbel chunk", _gumbel_chunk_kernel, dict(BLOCK=4096, FAST_LOG=True),
                 dict(inv_temperatures_ptr="fp32", partial_value_ptr="fp32", partial_column_ptr="i64"),
                 int64s=("seed",)),

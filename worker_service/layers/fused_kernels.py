@@ -1,8 +1,10 @@
-"""Fused elementwise kernels on GPUs: RMSNorm (with its residual add) and rotary embedding
-compiled by torch.compile (Inductor emits one Triton kernel for each), SiLU-and-mul as a hand-written
-Triton kernel (a plain 2-D grid; Inductor's dynamic-shape one took 5.1 us per decode call on an
-H200), instead of the five to ten small kernels each takes eagerly. In a decode step those small
-kernels, not bandwidth, would dominate. The eager versions stay the reference; CPUs take the
+"""Fused elementwise kernels on GPUs, instead of the five to ten small kernels each takes eagerly (in a
+decode step those small kernels, not bandwidth, would dominate): RMSNorm (with its residual add) and
+SiLU-and-mul as hand-written Triton kernels, rotary embedding (for the torch attention backend)
+compiled by torch.compile. Hand-written where the host time of a call counts: Inductor's
+dynamic-shape SiLU took 5.1 us per decode call on an H200, and a compiled norm costs ~190 us of host
+time per call outside CUDA graphs (dynamo's guards and wrappers), a third of a prefill's. The eager
+versions stay the reference; CPUs take the
 fewer-op eager ones of cpu_kernels (`enable_for` chooses by device)."""
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ def enable_for(device: torch.device, enforce_eager: bool) -> None:
 
 
 def enable() -> None:
-    """Swaps in compiled versions (idempotent). Compilation happens at the first call of each,
+    """Swaps in the GPU kernels (idempotent). Compilation happens at the first call of each,
     with dynamic batch sizes, so warm-up runs must precede CUDA graph capture."""
     global _enabled
     if _enabled:
@@ -36,11 +38,11 @@ def enable() -> None:
     # each model's constants): raise dynamo's default limit of 8 so that none falls back to eager.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compile_ = lambda fn: torch.compile(fn, dynamic=True, fullgraph=True)  # noqa: E731
-    norm.KERNELS["rms_norm"] = compile_(norm.rms_norm)
-    norm.KERNELS["add_rms_norm"] = compile_(norm.add_rms_norm)
     rotary.KERNELS["rotary"] = compile_(rotary.apply_rotary)
-    from worker_service.layers import triton_activation  # Triton: imported on GPUs only
+    from worker_service.layers import triton_activation, triton_norm  # Triton: imported on GPUs only
 
+    norm.KERNELS["rms_norm"] = triton_norm.rms_norm
+    norm.KERNELS["add_rms_norm"] = triton_norm.add_rms_norm
     activation.KERNELS["silu_and_mul"] = triton_activation.silu_and_mul
     _enabled = True
-    logger.info("fused elementwise kernels enabled (torch.compile)")
+    logger.info("fused elementwise kernels enabled (Triton, torch.compile)")
