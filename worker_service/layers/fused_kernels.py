@@ -2,15 +2,16 @@
 compiled by torch.compile (Inductor emits one Triton kernel for each), SiLU-and-mul as a hand-written
 Triton kernel (a plain 2-D grid; Inductor's dynamic-shape one took 5.1 us per decode call on an
 H200), instead of the five to ten small kernels each takes eagerly. In a decode step those small
-kernels, not bandwidth, would dominate. The eager versions stay the reference; CPUs take the
-fewer-op eager ones of cpu_kernels (`enable_for` chooses by device)."""
+kernels, not bandwidth, would dominate. Linear layers of at most 16 rows go to a Triton matrix-vector
+kernel (triton_skinny_matmul), others stay on cuBLAS. The eager versions stay the reference; CPUs take
+the fewer-op eager ones of cpu_kernels (`enable_for` chooses by device)."""
 from __future__ import annotations
 
 import logging
 
 import torch
 
-from worker_service.layers import activation, cpu_kernels, norm, rotary
+from worker_service.layers import activation, cpu_kernels, linear, norm, rotary
 
 logger = logging.getLogger(__name__)
 _enabled = False
@@ -39,8 +40,9 @@ def enable() -> None:
     norm.KERNELS["rms_norm"] = compile_(norm.rms_norm)
     norm.KERNELS["add_rms_norm"] = compile_(norm.add_rms_norm)
     rotary.KERNELS["rotary"] = compile_(rotary.apply_rotary)
-    from worker_service.layers import triton_activation  # Triton: imported on GPUs only
+    from worker_service.layers import triton_activation, triton_skinny_matmul  # Triton: imported on GPUs only
 
     activation.KERNELS["silu_and_mul"] = triton_activation.silu_and_mul
+    linear.KERNELS["linear"] = triton_skinny_matmul.linear
     _enabled = True
     logger.info("fused elementwise kernels enabled (torch.compile)")
