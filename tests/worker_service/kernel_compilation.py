@@ -48,6 +48,7 @@ def variants() -> list[Variant]:
     from worker_service.attention.triton_store_kv import _store_kv_kernel
     from worker_service.layers.triton_activation import _silu_and_mul_kernel
     from worker_service.layers.triton_norm import _rms_norm_kernel
+    from worker_service.layers.triton_skinny_matmul import _config, _skinny_matmul_kernel
     from worker_service.sampling.fused_sampling import _gumbel_chunk_kernel, _reduce_chunks_kernel
 
     cache = dict(BLOCK_SIZE=256, HEAD_DIM=128)
@@ -85,6 +86,16 @@ def variants() -> list[Variant]:
                 dict(partial_value_ptr="fp32", partial_column_ptr="i64", token_ids_ptr="i64"),
                 options=dict(num_warps=1)),
     ]
+    # Qwen3-0.6B's decode projections (gate_up, down with K past its block, qkv with a bias) at 1, 4 and
+    # 16 rows: the CUDA-core kernel at 4 and 8 warps, and the tensor-core one.
+    for rows, n, k, bias in ((1, 6144, 1024, False), (1, 1024, 3072, False), (4, 4096, 1024, True),
+                             (16, 1024, 2048, False)):
+        config = _config(rows, n, k)
+        result.append(Variant(
+            f"skinny matmul rows={rows} n={n} k={k}", _skinny_matmul_kernel,
+            dict(HAS_BIAS=bias, BLOCK_M=16 if config.use_dot else rows, BLOCK_N=config.block_n,
+                 BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, USE_DOT=config.use_dot),
+            options=dict(num_warps=config.num_warps, num_stages=config.num_stages)))
     for has_norm, fp8 in ((True, False), (False, False), (True, True)):
         result.append(Variant(
             f"rope+store norms={has_norm} fp8={fp8}", _rope_store_kernel,

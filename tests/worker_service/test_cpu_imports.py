@@ -21,7 +21,8 @@ def test_cpu_generation_imports_no_gpu_module(tmp_path: Path) -> None:
         "llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)",
         "gpu = ['worker_service.attention.triton_backend', 'worker_service.attention.triton_decode',",
         "       'worker_service.attention.triton_prefill', 'worker_service.attention.triton_store_kv',",
-        "       'worker_service.attention.triton_rope_store', 'worker_service.layers.triton_activation']",
+        "       'worker_service.attention.triton_rope_store', 'worker_service.layers.triton_activation',",
+        "       'worker_service.layers.triton_skinny_matmul']",
         "print(','.join(name for name in gpu if name in sys.modules))",
         "from worker_service.layers import cpu_kernels, norm",
         "print(norm.KERNELS['rms_norm'] is cpu_kernels.rms_norm)",  # the eager CPU kernel, nothing compiled

@@ -5,7 +5,8 @@ compiled by torch.compile. Hand-written where the host time of a call counts: In
 dynamic-shape SiLU took 5.1 us per decode call on an H200, and a compiled norm costs ~190 us of host
 time per call outside CUDA graphs (dynamo's guards and wrappers), a third of a prefill's. The eager
 versions stay the reference; CPUs take the fewer-op eager ones of cpu_kernels (`enable_for` chooses
-by device)."""
+by device). Linear layers of at most 16 rows in 16-bit dtypes go to a Triton matrix-vector kernel
+(triton_skinny_matmul), others stay on cuBLAS."""
 from __future__ import annotations
 
 import logging
@@ -13,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from worker_service.layers import activation, cpu_kernels, norm, rotary
+from worker_service.layers import activation, cpu_kernels, linear, norm, rotary
 
 logger = logging.getLogger(__name__)
 _enabled = False
@@ -40,11 +41,12 @@ def enable() -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compile_ = lambda fn: torch.compile(fn, dynamic=True, fullgraph=True)  # noqa: E731
     rotary.KERNELS["rotary"] = compile_(rotary.apply_rotary)
-    from worker_service.layers import triton_activation, triton_norm  # Triton: imported on GPUs only
+    from worker_service.layers import triton_activation, triton_norm, triton_skinny_matmul  # GPUs only
 
     norm.KERNELS["rms_norm"] = _by_dtype(triton_norm.rms_norm, compile_(norm.rms_norm))
     norm.KERNELS["add_rms_norm"] = _by_dtype(triton_norm.add_rms_norm, compile_(norm.add_rms_norm))
     activation.KERNELS["silu_and_mul"] = triton_activation.silu_and_mul
+    linear.KERNELS["linear"] = triton_skinny_matmul.linear
     _enabled = True
     logger.info("fused elementwise kernels enabled (Triton, torch.compile)")
 

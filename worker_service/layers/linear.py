@@ -8,6 +8,9 @@ keep their rank's slice (gpt-fast's tp.py style: the model code reads the same a
 Column-parallel layers (QKV, gate/up) keep a slice of each shard's output rows and need no
 communication; row-parallel layers (o_proj, down_proj) keep a slice of the input columns and sum
 their partial outputs over the ranks.
+
+The products go through `KERNELS["linear"]`: F.linear, or on GPUs (fused_kernels.enable) a version that
+sends decode-sized inputs (few rows) to a Triton kernel that reads the weight at bandwidth.
 """
 from __future__ import annotations
 
@@ -22,6 +25,14 @@ from worker_service.distributed import all_reduce, tp_rank, tp_size
 
 ShardId = int | str | None
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return KERNELS["linear"](x, weight, bias)
+
+
+# The implementation the layers call; fused_kernels.enable() swaps in triton_skinny_matmul.linear on GPUs.
+KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]] = {"linear": F.linear}
 
 
 def attach_loader(param: nn.Parameter, loader: WeightLoader, shard_ids: Sequence[ShardId] = (None,)) -> None:
@@ -67,7 +78,7 @@ class LinearBase(nn.Module):
         return [p for p in (self.weight, self.bias) if p is not None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return _linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
@@ -92,8 +103,8 @@ class RowLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = all_reduce(F.linear(x, self.weight))
+            return _linear(x, self.weight, self.bias)
+        out = all_reduce(_linear(x, self.weight, None))
         return out + self.bias if self.bias is not None else out
 
 

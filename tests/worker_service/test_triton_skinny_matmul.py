@@ -1,0 +1,165 @@
+"""The Triton skinny matmul against F.linear in float32, and which calls the linear layers send to it.
+
+Runs on a CUDA device, or on the CPU through Triton's interpreter with TRITON_INTERPRET=1 (set by
+conftest.py where it works: Triton installed, numpy < 2.3), there at small shapes: the interpreter
+runs each program as numpy, a few milliseconds apiece.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.worker_service.triton_runtime import DEVICE, INTERPRET, skip_module_unless_kernels_run
+
+skip_module_unless_kernels_run()
+
+from worker_service.layers import linear  # noqa: E402
+from worker_service.layers import triton_skinny_matmul as skinny  # noqa: E402
+from worker_service.layers.triton_skinny_matmul import SkinnyConfig, skinny_linear, use_skinny  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+on_gpu = pytest.mark.skipif(INTERPRET, reason="needs a CUDA device")
+
+# Qwen3-0.6B's projections (gate_up, qkv, o, down), a 7B-sized gate_up and square one, an N that no
+# block divides; on the interpreter, small ones that still cover a masked K and a partial last block.
+SHAPES = [(6144, 1024), (4096, 1024), (1024, 2048), (1024, 3072), (24576, 4096), (4096, 4096), (1000, 1024)]
+SMALL_SHAPES = [(40, 64), (20, 200), (3, 1024)]
+# One unit of the last place: the one rounding of the float32 sum is half of one, and the interpreter
+# truncates to bfloat16 instead of rounding.
+TOLERANCE = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+
+def inputs(m: int, n: int, k: int, dtype: torch.dtype, has_bias: bool, seed: int = 0,
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=generator).to(dtype)
+    weight = (torch.randn(n, k, generator=generator) / k**0.5).to(dtype)
+    bias = torch.randn(n, generator=generator).to(dtype) if has_bias else None
+    return x.to(DEVICE), weight.to(DEVICE), None if bias is None else bias.to(DEVICE)
+
+
+def check_close(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    expected = reference(x, weight, bias)
+    assert out.shape == expected.shape and out.dtype == x.dtype
+    # float32 sums differ from the reference's only in their order; the one rounding to 16 bits dominates.
+    tolerance = TOLERANCE[x.dtype]
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=1e-3)
+
+
+@pytest.mark.parametrize("has_bias", [False, True])
+@pytest.mark.parametrize("shape", SMALL_SHAPES if INTERPRET else SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 16])
+def test_matches_float32_reference(m: int, shape: tuple[int, int], has_bias: bool) -> None:
+    dtype = torch.float16 if INTERPRET else torch.bfloat16
+    x, weight, bias = inputs(m, *shape, dtype, has_bias, seed=m)
+    check_close(skinny_linear(x, weight, bias), x, weight, bias)
+
+
+# Configurations other than _config's for these shapes: several rows a program with a partial last
+# block, K in several masked steps, the tensor-core path at few rows and with a bias.
+@pytest.mark.parametrize(("m", "n", "k", "config"), [
+    (3, 30, 72, SkinnyConfig(8, 32, 4, 1, False)),
+    (1, 17, 64, SkinnyConfig(4, 16, 2, 2, False)),
+    (2, 40, 80, SkinnyConfig(16, 32, 4, 3, True)),
+    (16, 50, 96, SkinnyConfig(32, 64, 4, 2, True)),
+])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_other_configs(m: int, n: int, k: int, config: SkinnyConfig, dtype: torch.dtype) -> None:
+    if INTERPRET and config.use_dot and dtype == torch.bfloat16:
+        pytest.skip("the interpreter's bf16 tl.dot is wrong (see test_triton_attention.py)")
+    x, weight, bias = inputs(m, n, k, dtype, has_bias=True, seed=n)
+    check_close(skinny_linear(x, weight, bias, config), x, weight, bias)
+
+
+def test_leading_dimensions_and_strided_rows() -> None:
+    x, weight, bias = inputs(6, 24, 64, torch.float16, has_bias=True)
+    batched = x.view(2, 3, 64)
+    out = skinny_linear(batched, weight, bias)
+    assert out.shape == (2, 3, 24)
+    check_close(out.view(6, 24), x, weight, bias)
+    wide = torch.cat([x, x], dim=1)[:, :64]  # rows 128 apart
+    check_close(skinny_linear(wide, weight, bias), x, weight, bias)
+    assert skinny_linear(x[:0], weight).shape == (0, 24)
+    with pytest.raises(ValueError, match="contiguous"):
+        skinny_linear(x, torch.cat([weight, weight], dim=1)[:, ::2])
+
+
+def test_configs_fit_the_shapes() -> None:
+    """Every config of the served range is one the kernel can run: powers of two, dot operands of 16
+    and more, and enough programs on the small projections."""
+    for m in range(1, skinny.MAX_ROWS + 1):
+        for n, k in SHAPES:
+            block_n, block_k, num_warps, num_stages, use_dot = skinny._config(m, n, k)
+            assert all(value & (value - 1) == 0 for value in (block_n, block_k, num_warps))
+            assert num_stages >= 1 and block_k <= skinny.MAX_BLOCK_K
+            assert not use_dot or min(block_n, block_k) >= 16
+            assert -(-n // block_n) >= min(skinny.TARGET_PROGRAMS, n // 16)
+
+
+def test_use_skinny_on_the_cpu_is_false() -> None:
+    x, weight = torch.randn(1, 64, dtype=torch.bfloat16), torch.randn(32, 64, dtype=torch.bfloat16)
+    assert not use_skinny(x, weight)
+
+
+@on_gpu
+def test_use_skinny_decisions() -> None:
+    def case(m: int, k: int = 64, dtype: torch.dtype = torch.bfloat16, weight_dtype: torch.dtype | None = None,
+             transposed: bool = False, leading: tuple[int, ...] = ()) -> bool:
+        x = torch.zeros(*leading, m, k, dtype=dtype, device="cuda")
+        weight_dtype = weight_dtype or dtype
+        weight = (torch.zeros(k, 32, dtype=weight_dtype, device="cuda").t() if transposed
+                  else torch.zeros(32, k, dtype=weight_dtype, device="cuda"))
+        return use_skinny(x, weight)
+
+    assert case(1) and case(16) and case(5, dtype=torch.float16) and case(4, leading=(2,))
+    assert not case(17) and not case(0) and not case(9, leading=(2,))  # 0 rows, more than MAX_ROWS
+    assert not case(1, dtype=torch.float32) and not case(1, weight_dtype=torch.float16)
+    assert not case(1, k=60)  # rows of K not 16-byte multiples
+    assert not case(1, transposed=True)  # a non-contiguous weight
+
+
+def test_layers_fall_back_to_f_linear_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default KERNELS entry is F.linear, and the skinny-aware one hands CPU tensors to it: the
+    same bits either way."""
+    layer = linear.LinearBase(64, 32, bias=True)
+    layer.weight.data.normal_(), layer.bias.data.normal_()
+    x = torch.randn(3, 64)
+    expected = F.linear(x, layer.weight, layer.bias)
+    assert linear.KERNELS["linear"] is F.linear and torch.equal(layer(x), expected)
+    monkeypatch.setitem(linear.KERNELS, "linear", skinny.linear)
+    assert torch.equal(layer(x), expected)
+    x16, weight16 = x.bfloat16(), layer.weight.bfloat16()
+    assert torch.equal(skinny.linear(x16, weight16), F.linear(x16, weight16))
+
+
+@on_gpu
+def test_layers_take_the_kernel_on_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(linear.KERNELS, "linear", skinny.linear)
+    layer = linear.RowLinear(1024, 256, bias=True).to(device="cuda", dtype=torch.bfloat16)
+    layer.weight.data.normal_(std=1 / 32), layer.bias.data.normal_()
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    out = layer(x)
+    assert torch.equal(out, skinny_linear(x, layer.weight, layer.bias))
+    check_close(out, x, layer.weight, layer.bias)
+    many = torch.randn(32, 1024, device="cuda", dtype=torch.bfloat16)  # past MAX_ROWS: cuBLAS
+    assert torch.equal(layer(many), F.linear(many, layer.weight, layer.bias))
+
+
+@on_gpu
+def test_captured_in_a_cuda_graph_and_deterministic() -> None:
+    x, weight, bias = inputs(4, 3072, 1024, torch.bfloat16, has_bias=True)
+    eager = skinny_linear(x, weight, bias)  # the warm-up compiles, as before a capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = skinny_linear(x, weight, bias)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, skinny_linear(x, weight, bias))
+    assert not torch.equal(captured, eager)
+    check_close(captured, x, weight, bias)

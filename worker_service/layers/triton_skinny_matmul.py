@@ -1,0 +1,140 @@
+"""y = x W^T (+ b) for few rows of x (decode steps), as one Triton kernel meant to read W at memory
+bandwidth (measured on a GPU by bench/skinny_matmul_bench.py).
+
+At one to sixteen rows a linear layer is a matrix-vector product: each weight element is read once
+and used M times, so the time is the weight's bytes over memory bandwidth. cuBLAS stays far from
+that on the small projections of a decode step (Qwen3-0.6B on an H200: 30 us per layer against a
+floor of about 8; down_proj also takes a split-K reduction kernel). Here each program owns BLOCK_N
+output columns (rows of W) over all of K: a small BLOCK_N gives hundreds of programs even at N = 1024,
+wide BLOCK_K tiles keep many 16-byte loads in flight, and there is no split-K, so no atomics, no
+workspace and one launch.
+
+The products are summed in float32 on CUDA cores (w * x broadcast, tl.sum along K, once per row of
+x), or, for more rows, with tl.dot on x padded to 16 rows (USE_DOT); the bias is added in float32
+and the result is rounded once to x's dtype. The block sizes come from `_config`, a fixed function of
+the shape, not from autotuning: CUDA graphs are captured after one eager warm-up, and nothing may be
+benchmarked or synchronised then.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16  # the most rows of x the kernel takes; more go to cuBLAS, which is efficient there
+DTYPES = (torch.bfloat16, torch.float16)
+# Programs to aim for: about four per multiprocessor of an H100/H200 (132), enough that each one's
+# loads overlap the others' and that the last wave is short.
+TARGET_PROGRAMS = 512
+# Weight elements one program loads per step of K: 8192 bf16 (16 KB) is eight 16-byte loads per thread
+# at 4 warps, a few such programs per multiprocessor keep the ~3 MB in flight that the H200's memory
+# needs to reach its bandwidth (roughly bandwidth x latency: 4.8 TB/s x ~0.7 us).
+TILE_ELEMENTS = 8192
+MAX_BLOCK_K = 4096
+
+
+class SkinnyConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    use_dot: bool
+
+
+@triton.jit
+def _skinny_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x_row, stride_w_row, stride_out_row,
+                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr):
+    columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
+    # The last program's rows past N re-read row N - 1 (unmasked loads); their results are not stored.
+    w_rows = tl.minimum(columns, N - 1).to(tl.int64)
+    rows = tl.arange(0, BLOCK_M)  # rows of x
+    offsets = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # acc[n, m] = y[m, n]
+    for k in range(0, K, BLOCK_K):
+        w_ptrs = w_ptr + w_rows[:, None] * stride_w_row + (k + offsets)[None, :]
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=(k + offsets)[None, :] < K, other=0.0)
+        if USE_DOT:
+            x_mask = (rows[:, None] < M) & ((k + offsets)[None, :] < K)
+            x = tl.load(x_ptr + rows[:, None] * stride_x_row + (k + offsets)[None, :], mask=x_mask, other=0.0)
+            acc = tl.dot(w, tl.trans(x), acc)
+        else:
+            w = w.to(tl.float32)
+            for m in tl.static_range(BLOCK_M):
+                x_mask = (m < M) & (k + offsets < K)
+                x = tl.load(x_ptr + m * stride_x_row + k + offsets, mask=x_mask, other=0.0).to(tl.float32)
+                partial = tl.sum(w * x[None, :], axis=1)
+                acc = tl.where(rows[None, :] == m, acc + partial[:, None], acc)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + w_rows).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + rows[None, :] * stride_out_row + columns[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(columns[:, None] < N) & (rows[None, :] < M))
+
+
+def _config(m: int, n: int, k: int) -> SkinnyConfig:
+    """Block sizes for y [m, n] = x [m, k] W^T, chosen from the shape alone (no autotuning).
+
+    BLOCK_K: all of K in one step up to MAX_BLOCK_K (a power of two, masked past K), so that a program
+    issues its loads at once instead of waiting for each step. BLOCK_N: TILE_ELEMENTS / BLOCK_K rows,
+    halved while that leaves fewer than TARGET_PROGRAMS programs (N = 1024 at K = 2048 gets 2 rows a
+    program, 512 programs). Each row of x adds a reduction along K and keeps its slice of x in
+    registers: from 3 rows on, 8 warps share the tile (sm_90 compile: 194 registers a thread at 8 rows
+    and 4 warps, 156 at 8 warps). Past 8 rows the CUDA cores' multiply-adds (m per weight element)
+    would cost about as much as reading the weight: tl.dot on tensor cores takes over, in steps of 256
+    along K (its operands pass through shared memory), software-pipelined 4 deep.
+    These are reasoned starting points; `bench/skinny_matmul_bench.py --sweep` measures the others.
+    """
+    if m > 8:
+        block_n = 16 if triton.cdiv(n, 32) < TARGET_PROGRAMS else 32
+        return SkinnyConfig(block_n, min(256, max(16, triton.next_power_of_2(k))), 4, 4, True)
+    block_k = min(triton.next_power_of_2(k), MAX_BLOCK_K)
+    block_n = max(1, TILE_ELEMENTS // block_k)
+    while block_n > 1 and triton.cdiv(n, block_n) < TARGET_PROGRAMS:
+        block_n //= 2
+    return SkinnyConfig(block_n, block_k, 4 if m <= 2 else 8, 1, False)
+
+
+def use_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether skinny_linear takes F.linear(x, weight): 16-bit CUDA tensors, a contiguous 2-D weight, at
+    most MAX_ROWS rows of x, and rows of K a multiple of 8 elements (16 bytes, one vectorised load)."""
+    if not (x.is_cuda and weight.is_cuda and x.dtype in DTYPES and weight.dtype == x.dtype):
+        return False
+    if weight.dim() != 2 or not weight.is_contiguous() or x.dim() == 0:
+        return False
+    k = weight.shape[1]
+    return x.shape[-1] == k and k % 8 == 0 and k > 0 and 1 <= x.numel() // k <= MAX_ROWS
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  config: SkinnyConfig | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [..., K] of at most MAX_ROWS rows (see use_skinny), W [N, K].
+    float32 sums, one rounding to x's dtype; no host sync. `config` overrides _config (benchmarks)."""
+    n, k = weight.shape
+    if weight.stride(-1) != 1:
+        raise ValueError("skinny_linear needs the weight's rows contiguous")
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    m = rows.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out.view(*x.shape[:-1], n)
+    bias = bias.contiguous() if bias is not None else None
+    block_n, block_k, num_warps, num_stages, use_dot = config or _config(m, n, k)
+    block_m = 16 if use_dot else triton.next_power_of_2(m)
+    _skinny_matmul_kernel[(triton.cdiv(n, block_n),)](
+        rows, weight, bias if bias is not None else weight, out, m, n, k, rows.stride(0), weight.stride(0),
+        out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0, USE_DOT=use_dot, num_warps=num_warps, num_stages=num_stages)
+    return out.view(*x.shape[:-1], n)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through skinny_linear where use_skinny holds (linear.KERNELS["linear"] on GPUs)."""
+    return skinny_linear(x, weight, bias) if use_skinny(x, weight) else F.linear(x, weight, bias)
