@@ -4,18 +4,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import sys
 import time
 
 from common.config import WorkerConfig, WorkerLinkConfig
 from common.ports import check_port_free
 
 logger = logging.getLogger(__name__)
-# Three threads share the GIL here: the model thread launching step N+1 (Python between short torch
-# calls), the one reading step N back, and the gRPC loop sending its reply. A thread that drops the
-# GIL for a torch call takes it straight back, so the other two waited for CPython's forced switch,
-# 5 ms by default: up to 10 ms on a first token (19 ms through gRPC vs 11 in-process on an H200).
-GIL_SWITCH_INTERVAL_S = 0.0002
 
 
 async def _serve(config: WorkerConfig, link: WorkerLinkConfig, host: str, port: int) -> None:
@@ -41,6 +35,5 @@ async def _serve(config: WorkerConfig, link: WorkerLinkConfig, host: str, port: 
 def run_worker(config: WorkerConfig, link: WorkerLinkConfig, host: str, port: int) -> int:
     """Serves Step RPCs on host:port (or the unix socket path host) until SIGTERM or SIGINT. A port in
     use raises PortInUseError (an OSError: the CLI prints it as one line, exit status 1)."""
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     asyncio.run(_serve(config, link, host, port))
     return 0

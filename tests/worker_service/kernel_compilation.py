@@ -87,7 +87,7 @@ def variants() -> list[Variant]:
                 options=dict(num_warps=1)),
     ]
     # Qwen3-0.6B's decode projections (gate_up, down with K past its block, qkv with a bias) at 1, 4 and
-    # 16 rows: the CUDA-core kernel at 4 and 8 warps, and the tensor-core one.
+    # 16 rows: the CUDA-core kernel (one row) and the tensor-core one (4 and 16 rows, both tiles).
     for rows, n, k, bias in ((1, 6144, 1024, False), (1, 1024, 3072, False), (4, 4096, 1024, True),
                              (16, 1024, 2048, False)):
         config = _config(rows, n, k)

@@ -91,14 +91,15 @@ def test_leading_dimensions_and_strided_rows() -> None:
 
 def test_configs_fit_the_shapes() -> None:
     """Every config of the served range is one the kernel can run: powers of two, dot operands of 16
-    and more, and enough programs on the small projections."""
+    and more, tensor cores from three rows on, and enough programs for the CUDA-core kernel."""
     for m in range(1, skinny.MAX_ROWS + 1):
         for n, k in SHAPES:
             block_n, block_k, num_warps, num_stages, use_dot = skinny._config(m, n, k)
             assert all(value & (value - 1) == 0 for value in (block_n, block_k, num_warps))
             assert num_stages >= 1 and block_k <= skinny.MAX_BLOCK_K
             assert not use_dot or min(block_n, block_k) >= 16
-            assert -(-n // block_n) >= min(skinny.TARGET_PROGRAMS, n // 16)
+            assert use_dot == (m > 2)
+            assert use_dot or -(-n // block_n) >= min(skinny.TARGET_PROGRAMS, n // 16)
 
 
 def test_use_skinny_on_the_cpu_is_false() -> None:

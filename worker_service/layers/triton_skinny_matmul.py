@@ -78,26 +78,25 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x_row
 
 
 def _config(m: int, n: int, k: int) -> SkinnyConfig:
-    """Block sizes for y [m, n] = x [m, k] W^T, chosen from the shape alone (no autotuning).
+    """Block sizes for y [m, n] = x [m, k] W^T, chosen from the shape alone (no autotuning), after
+    `bench/skinny_matmul_bench.py --sweep` on an H200 (bench/results/2026-11-30-h200-skinny-matmul.txt).
 
-    BLOCK_K: all of K in one step up to MAX_BLOCK_K (a power of two, masked past K), so that a program
-    issues its loads at once instead of waiting for each step. BLOCK_N: TILE_ELEMENTS / BLOCK_K rows,
-    halved while that leaves fewer than TARGET_PROGRAMS programs (N = 1024 at K = 2048 gets 2 rows a
-    program, 512 programs). Each row of x adds a reduction along K and keeps its slice of x in
-    registers: from 3 rows on, 8 warps share the tile (sm_90 compile: 194 registers a thread at 8 rows
-    and 4 warps, 156 at 8 warps). Past 8 rows the CUDA cores' multiply-adds (m per weight element)
-    would cost about as much as reading the weight: tl.dot on tensor cores takes over, in steps of 256
-    along K (its operands pass through shared memory), software-pipelined 4 deep.
-    These are reasoned starting points; `bench/skinny_matmul_bench.py --sweep` measures the others.
+    One or two rows: CUDA cores. BLOCK_K is all of K up to MAX_BLOCK_K (a power of two, masked past K),
+    so that a program issues its loads at once; BLOCK_N is TILE_ELEMENTS / BLOCK_K rows, halved while
+    that leaves fewer than TARGET_PROGRAMS programs (N = 1024 at K = 2048: 2 rows, 512 programs).
+    Within 10 % of the sweep's best at one row, 1.1-3.9x cuBLAS (whose 1024 x 2048 kernel reads 330 GB/s).
+    From three rows the CUDA cores' multiply-adds (m per weight element) cost more than the reads
+    (four rows took twice cuBLAS's time): tl.dot on tensor cores, x padded to 16 rows, with the sweep's
+    best tiles: 64 x 128 pipelined 5 deep for wide outputs, 16 x 512 for N = 1024 (within 2 % of the
+    best found; 0.6-0.98x of cuBLAS's time at 4 to 16 rows).
     """
-    if m > 8:
-        block_n = 16 if triton.cdiv(n, 32) < TARGET_PROGRAMS else 32
-        return SkinnyConfig(block_n, min(256, max(16, triton.next_power_of_2(k))), 4, 4, True)
+    if m > 2:
+        return SkinnyConfig(64, 128, 4, 5, True) if n >= 4096 else SkinnyConfig(16, 512, 4, 3, True)
     block_k = min(triton.next_power_of_2(k), MAX_BLOCK_K)
     block_n = max(1, TILE_ELEMENTS // block_k)
     while block_n > 1 and triton.cdiv(n, block_n) < TARGET_PROGRAMS:
         block_n //= 2
-    return SkinnyConfig(block_n, block_k, 4 if m <= 2 else 8, 1, False)
+    return SkinnyConfig(block_n, block_k, 4, 1, False)
 
 
 def use_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
