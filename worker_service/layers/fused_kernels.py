@@ -22,8 +22,8 @@ _enabled = False
 
 def enable_for(device: torch.device, enforce_eager: bool) -> None:
     """The elementwise kernels of a worker process on device (process-wide, so called where a worker
-    or a tensor-parallel rank starts): compiled ones on a GPU with CUDA graphs, fewer-op eager ones
-    on a CPU, the reference ones otherwise."""
+    or a tensor-parallel rank starts): Triton and compiled ones on a GPU with CUDA graphs, fewer-op
+    eager ones on a CPU, the reference ones otherwise."""
     if device.type == "cuda" and not enforce_eager:
         enable()
     elif device.type == "cpu":
