@@ -7,6 +7,7 @@ this module. Heavy imports happen inside each command, so that `nanovllm schedul
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -58,7 +59,11 @@ def link_config(args: argparse.Namespace, prefix: str = "") -> WorkerLinkConfig:
 
 
 def check_health(args: argparse.Namespace) -> int:
-    """grpc.health.v1 Check of the whole server: 0 when SERVING (for container health checks)."""
+    """grpc.health.v1 Check of the whole server at a public or a worker port (health needs no API
+    key and no worker secret): 0 when SERVING (for container health checks), else 1 with one line
+    saying why."""
+    # gRPC logs a failed TLS handshake itself, ahead of our line; the error's details say it too.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     import grpc
 
     from common.client import GenerationClient
@@ -68,7 +73,14 @@ def check_health(args: argparse.Namespace) -> int:
         with GenerationClient(args.target, timeout=args.timeout, **tls) as client:
             status = client.health_status()
     except grpc.RpcError as error:
-        print(f"{args.target}: {error.code().name}", file=sys.stderr)
+        # Plaintext to a TLS port, TLS to a plaintext one, a wrong CA or a missing client
+        # certificate all fail the connection at once: UNAVAILABLE, the reason in the details.
+        hint = ""
+        if error.code() is grpc.StatusCode.UNAVAILABLE:
+            hint = (" (dialed with TLS: a plaintext port takes no --ca-cert; mTLS needs --client-cert, --client-key)"
+                    if any(tls.values()) else
+                    " (dialed in plaintext: a TLS port needs --ca-cert; mTLS also --client-cert, --client-key)")
+        print(f"{args.target}: {error.code().name}{hint}: {error.details()}", file=sys.stderr)
         return 1
     print(f"{args.target}: {status}")
     return 0 if status == "SERVING" else 1
@@ -98,9 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_link_flags(scheduler, prefix="worker-")
 
     health = add_parser("health", "exit 0 if the server at --target reports SERVING")
-    health.add_argument("--target", default=f"127.0.0.1:{PublicServerConfig.port}", help="host:port of a public port")
+    health.add_argument("--target", default=f"127.0.0.1:{PublicServerConfig.port}",
+                        help="host:port of a public or a worker port (over TLS: a name its certificate holds)")
     health.add_argument("--timeout", type=float, default=3.0, help="seconds")
-    health.add_argument("--ca-cert", help="PEM CA of a TLS public port (None: plaintext)")
+    health.add_argument("--ca-cert", help="PEM CA that signs the port's certificate: TLS (None: plaintext)")
     health.add_argument("--client-cert", help="PEM client certificate, for a port that requires one (mTLS)")
     health.add_argument("--client-key", help="PEM key of --client-cert")
 

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -225,6 +226,60 @@ def test_mutual_tls_between_scheduler_and_worker(model, tmp_path, undisturbed) -
         client.close()
         scheduler.stop()
         stop(process)
+
+
+def run_health(target: str, *args: str) -> tuple[subprocess.CompletedProcess, float]:
+    """`nanovllm health` with a 60 s --timeout and no worker secret, and the seconds it took."""
+    env = {key: value for key, value in os.environ.items() if key != SECRET_ENV}
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "common.cli", "health", "--target", target, "--timeout", "60",
+                             *args], capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=120)
+    return result, time.monotonic() - started
+
+
+@pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mtls"])
+def test_health_command_checks_a_tls_worker(model, tmp_path, mutual) -> None:
+    """Health on a worker needs no secret, only the port's TLS: its CA and, under mTLS, a client
+    certificate. Dialed in plaintext, or without the client certificate, it fails at once (not at
+    its --timeout) with one line saying how it dialed."""
+    ca = CertificateAuthority("test CA")
+    ca_file = tmp_path / "ca.pem"
+    ca_file.write_bytes(ca.cert_pem)
+    server_cert, server_key = write_pem_files(tmp_path, "worker", ca.issue("worker", server=True))
+    client_cert, client_key = write_pem_files(tmp_path, "prober", ca.issue("prober", server=False))
+    client_files = ["--client-cert", client_cert, "--client-key", client_key] if mutual else []
+    port = free_port()
+    process = start_worker(model, port, "--tls-cert", server_cert, "--tls-key", server_key,
+                           *(["--tls-client-ca", str(ca_file)] if mutual else []))
+    target = f"127.0.0.1:{port}"
+    try:
+        # A port without --tls-client-ca never asks for the client certificate.
+        with GenerationClient(target, ca_cert=ca_file, client_cert=client_cert, client_key=client_key) as client:
+            client.wait_ready(timeout=120)
+        result, _ = run_health(target, "--ca-cert", str(ca_file), *client_files)
+        assert (result.returncode, result.stdout, result.stderr) == (0, f"{target}: SERVING\n", "")
+
+        failures = [(run_health(target), "(dialed in plaintext: a TLS port needs --ca-cert; mTLS also --client-cert")]
+        if mutual:
+            failures.append((run_health(target, "--ca-cert", str(ca_file)), "(dialed with TLS: a plaintext port "
+                             "takes no --ca-cert; mTLS needs --client-cert, --client-key)"))
+        for (result, seconds), hint in failures:
+            assert (result.returncode, result.stdout) == (1, "")
+            assert result.stderr.startswith(f"{target}: UNAVAILABLE {hint}") and result.stderr.count("\n") == 1
+            assert seconds < 30  # refused by the handshake, not waiting for the 60 s deadline
+    finally:
+        stop(process)
+
+
+def test_health_command_with_tls_to_a_plaintext_worker_says_how_it_dialed(worker, tmp_path) -> None:
+    port, _ = worker
+    ca_file = tmp_path / "ca.pem"
+    ca_file.write_bytes(CertificateAuthority("test CA").cert_pem)
+    result, seconds = run_health(f"127.0.0.1:{port}", "--ca-cert", str(ca_file))
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr.startswith(f"127.0.0.1:{port}: UNAVAILABLE (dialed with TLS: a plaintext port takes no "
+                                    "--ca-cert") and result.stderr.count("\n") == 1  # gRPC's own log line muted
+    assert seconds < 30
 
 
 def test_worker_on_a_port_in_use_exits_naming_the_port() -> None:
