@@ -65,13 +65,13 @@ class ModelRunner:
         self.device = resolve_device(config.device, tp_rank(), tp_size())
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
-        backend_name = config.attention_backend
-        if backend_name == "auto":
-            backend_name = default_backend_name(self.device)
-        self.backend = get_attention_backend(backend_name)
         self.weight_format = resolve_cpu_weight_format(config.cpu_weight_format, self.device.type,
                                                        find_gguf_file(Path(config.model)) is not None,
                                                        config.tensor_parallel_size)
+        backend_name = config.attention_backend
+        if backend_name == "auto":
+            backend_name = default_backend_name(self.device, is_quantized=self.weight_format != "float32")
+        self.backend = get_attention_backend(backend_name)
         self.model, self.model_config = load_checkpoint(config.model, self.dtype, self.device, self.backend,
                                                         self.weight_format)
         self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)

@@ -16,6 +16,7 @@ from worker_service.attention.base import AttentionBackend, AttentionMetadata
 # name -> module that registers it on import. GPU backends add their line here.
 _BACKEND_MODULES: dict[str, str] = {
     "torch": "worker_service.attention.torch_backend",
+    "torch-sdpa": "worker_service.attention.torch_backend",
     "triton": "worker_service.attention.triton_backend",
 }
 # device type -> default backend name; devices not listed fall back to the portable "torch" backend.
@@ -62,6 +63,8 @@ def available_backends() -> list[str]:
     return sorted(set(_BACKEND_MODULES) | set(_REGISTRY))
 
 
-def default_backend_name(device: torch.device) -> str:
-    """The backend to use on device when the config names none."""
-    return _DEVICE_DEFAULTS.get(torch.device(device).type, "torch")
+def default_backend_name(device: torch.device, is_quantized: bool = False) -> str:
+    """The backend to use on device when the config names none: with quantized (approximate) weights
+    on a CPU, the torch backend's faster prefill attention, which is not bit-identical to transformers'."""
+    name = _DEVICE_DEFAULTS.get(torch.device(device).type, "torch")
+    return "torch-sdpa" if name == "torch" and is_quantized else name
