@@ -13,6 +13,7 @@ import pytest
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as BackendTokenizer
 
+from bench.detokenizer_speed import CountingDecoder
 from scheduler_service.detokenizer import IncrementalDetokenizer, TokenDecoder
 from scheduler_service.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_gguf
 from tests.tiny_models import CORPUS, save_tiny_bpe_tokenizer
@@ -43,16 +44,6 @@ class ReferenceDetokenizer(IncrementalDetokenizer):
         self.text += new_text[len(prefix_text):]
         self.prefix_offset = self.read_offset
         self.read_offset = len(ids)
-
-
-class CountingDecoder:
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.num_calls = 0
-
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        self.num_calls += 1
-        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
 class UnhashableDecoder(CountingDecoder):
