@@ -4,13 +4,16 @@ heads, head_dim 128, bf16), against torch SDPA on contiguous tensors holding the
     python bench/attention_bench.py            # decode grid + prefill, then a summary table
     python bench/attention_bench.py --sweep    # also sweeps kernel tile sizes, warps, stages, splits
     python bench/attention_bench.py --decode-sweep 256:1024   # only the decode sweep, at these shapes
+    python bench/attention_bench.py --kv-cache-dtype fp8 --decode-only   # decode over an FP8 cache
 
 Decode: batch sizes 1, 8, 64, 256 x contexts 512, 1024, 4096 (every sequence at that context),
 block sizes 256 and 16; reports the achieved K+V read bandwidth (bytes of K and V read / median time)
 and its fraction of the 4.3 TB/s that a device-to-device copy reaches on an H200. Prefill: 256
 sequences of 1024 new tokens each, causal, in TFLOP/s. Times are triton.testing.do_bench medians
 (it flushes the L2 before each run, so the K/V really come from HBM). Each Triton result is first
-checked against SDPA's output, so a broken kernel cannot post a number.
+checked against SDPA's output, so a broken kernel cannot post a number. With --kv-cache-dtype fp8 the
+decode kernel reads an e4m3 cache with its per-vector scales (kv_quant), SDPA the dequantized K/V,
+and the bytes counted are the fp8 values plus their float32 scales.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from worker_service.attention.kv_quant import head_scales, quantize  # noqa: E402
 from worker_service.attention.triton_decode import (  # noqa: E402
     DECODE_BLOCK_N,
     DECODE_NUM_STAGES,
@@ -114,24 +118,40 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> 
         return repeated
 
 
-def decode_rows(block_size: int, batch: int, context: int, device: torch.device) -> list[Row]:
+def fp8_cache(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An e4m3 copy of a paged cache, its scales, and the dequantized values SDPA should see."""
+    scales = head_scales(cache)
+    values = quantize(cache, scales)
+    return values, scales, (values.float() * scales[..., None]).to(DTYPE)
+
+
+def decode_rows(block_size: int, batch: int, context: int, device: torch.device, fp8: bool = False) -> list[Row]:
     k = torch.randn(batch, context, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
     v = torch.randn_like(k)
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
     k_cache, v_cache, tables = paged_copy(k, v, block_size)
+    k_scale = v_scale = None
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * k.element_size()
+    if fp8:
+        k_cache, k_scale, k_seen = fp8_cache(k_cache)
+        v_cache, v_scale, v_seen = fp8_cache(v_cache)
+        flat = tables.long().flatten()
+        k = k_seen[flat].view(batch, -1, NUM_KV_HEADS, HEAD_DIM)[:, :context]
+        v = v_seen[flat].view(batch, -1, NUM_KV_HEADS, HEAD_DIM)[:, :context]
+        kv_bytes = 2 * batch * context * NUM_KV_HEADS * (HEAD_DIM + 4)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     splits = choose_num_splits(batch, NUM_KV_HEADS, context, device)
     workspace = torch.empty(batch * NUM_HEADS * splits * (HEAD_DIM + 1), dtype=torch.float32, device=device)
     out = torch.empty_like(q)
 
     def run() -> torch.Tensor:
-        return paged_decode(q, k_cache, v_cache, tables, seq_lens, SCALE, splits, workspace, out)
+        return paged_decode(q, k_cache, v_cache, tables, seq_lens, SCALE, splits, workspace, out,
+                            k_scale=k_scale, v_scale=v_scale)
 
     reference = sdpa(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), is_causal=False)
     error = relative_error(run(), reference()[:, :, 0])
-    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * k.element_size()
     rows = []
-    for what, fn, split_label, err in (("triton-decode", run, splits, error),
+    for what, fn, split_label, err in (("triton-dec-fp8" if fp8 else "triton-decode", run, splits, error),
                                        (f"sdpa-{reference.__doc__}", reference, "-", float("nan"))):
         ms = bench_ms(fn)
         rows.append(Row(what, block_size if fn is run else "-", batch, context, split_label, ms * 1e3,
@@ -226,6 +246,9 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also sweep kernel configurations")
     parser.add_argument("--decode-sweep", metavar="BATCH:CONTEXT", nargs="+",
                         help="only sweep the decode kernel's configurations at these shapes (block size 256)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                        help="the decode rows' cache: the model dtype (bf16) or e4m3 with scales")
+    parser.add_argument("--decode-only", action="store_true", help="skip the prefill rows")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
@@ -242,11 +265,11 @@ def main() -> None:
     for block_size in (256, 16):
         for batch in (1, 8, 64, 256):
             for context in (512, 1024, 4096):
-                for row in decode_rows(block_size, batch, context, device):
+                for row in decode_rows(block_size, batch, context, device, args.kv_cache_dtype == "fp8"):
                     rows.append(row)
                     print(row.line(), flush=True)
                 torch.cuda.empty_cache()
-    for block_size in (256, 16):
+    for block_size in () if args.decode_only else (256, 16):
         for row in prefill_rows(256, 1024, block_size, device):
             rows.append(row)
             print(row.line(), flush=True)
