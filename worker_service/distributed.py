@@ -5,11 +5,6 @@ single-device code pays nothing.
 Two groups: the device group (NCCL on GPUs, gloo on CPUs) for activations, logits and sampled
 tokens, and a gloo group on the host for control messages (StepChannel), so that passing a Step
 to the other ranks never touches the GPU stream (no host sync).
-
-On GPUs the layers' sums (all_reduce) go through torch's symmetric memory, two-shot: measured on
-two H200s inside CUDA graphs (bench/allreduce_bench.py), 6 to 13 us for the 8 KiB to 2 MiB of a
-decode step where NCCL takes 11 to 32 us, and faster up to 32 MiB too (init_symmetric_sum sizes
-its buffer). NCCL stays the fallback: CPUs, other dtypes, larger sums.
 """
 from __future__ import annotations
 
@@ -50,7 +45,6 @@ def destroy_tensor_parallel() -> None:
     global _state
     if _state is not None:
         _state = None
-        _SymmetricSum.instance = None
         dist.destroy_process_group()
 
 
@@ -69,47 +63,10 @@ def control_group() -> dist.ProcessGroup:
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks, in place (captured by CUDA graphs)."""
-    if tp_size() > 1 and not _SymmetricSum.sum_into(x):
+    """Sum over ranks, in place (captured by CUDA graphs on NCCL)."""
+    if tp_size() > 1:
         dist.all_reduce(x)
     return x
-
-
-class _SymmetricSum:
-    """A buffer in symmetric memory (every rank can read every rank's) for the layers' sums. A sum
-    copies x into the buffer's front and reduces back into x (two-shot: each rank sums its half of
-    the elements, then gathers the other half), so no caller ever holds a view of the shared
-    buffer. Sums of another dtype or larger than the buffer go to NCCL."""
-
-    instance: _SymmetricSum | None = None
-
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        self.group_name = dist.group.WORLD.group_name
-        self.buffer = symm_mem.empty(numel, dtype=dtype, device=device)
-        symm_mem.rendezvous(self.buffer, self.group_name)
-
-    @classmethod
-    def sum_into(cls, x: torch.Tensor) -> bool:
-        """Sums x over the ranks in place if it fits; False (nothing done) for NCCL to do it."""
-        if cls.instance is None:
-            return False
-        buffer = cls.instance.buffer
-        if x.dtype != buffer.dtype or x.numel() > buffer.numel() or x.device != buffer.device \
-                or not x.is_contiguous():
-            return False
-        front = buffer[:x.numel()].view_as(x)
-        front.copy_(x)
-        torch.ops.symm_mem.two_shot_all_reduce_out(front, "sum", cls.instance.group_name, x)
-        return True
-
-
-def init_symmetric_sum(max_rows: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Gives all_reduce a symmetric-memory buffer for sums of up to max_rows x hidden_size (GPU
-    ranks only, once the group exists). A collective: every rank calls it at the same point."""
-    if tp_size() > 1 and device.type == "cuda":
-        _SymmetricSum.instance = _SymmetricSum(max_rows * hidden_size, dtype, device)
 
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
