@@ -190,9 +190,11 @@ def prefill_rows(num_seqs: int, query_len: int, block_size: int, device: torch.d
     return rows
 
 
-def sweep_decode(block_size: int, batch: int, context: int, device: torch.device) -> list[str]:
+def sweep_decode(block_size: int, batch: int, context: int, device: torch.device, fp8: bool = False) -> list[str]:
     """Splits at the default tile config, then tile configs (block_n, warps, stages) at the chosen
-    splits, for one decode shape. The chosen number of splits is marked with '*'."""
+    splits, for one decode shape. The chosen number of splits is marked with '*'. With fp8, each
+    config also with the dots in float16 (fp16=1) and the error of both against the dequantized
+    K/V."""
     k_cache = torch.randn(batch * context // block_size, block_size, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE,
                           device=device)
     v_cache = torch.randn_like(k_cache)
@@ -200,21 +202,34 @@ def sweep_decode(block_size: int, batch: int, context: int, device: torch.device
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
     kv_bytes = 2 * k_cache.numel() * k_cache.element_size()
+    scales: dict = {}
+    if fp8:
+        k_cache, scales["k_scale"], k_seen = fp8_cache(k_cache)
+        v_cache, scales["v_scale"], v_seen = fp8_cache(v_cache)
+        kv_bytes = kv_bytes // 2 + 2 * scales["k_scale"].numel() * 4
+        flat = tables.long().flatten()
+        reference = sdpa(q[:, :, None], k_seen[flat].view(batch, -1, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2),
+                         v_seen[flat].view(batch, -1, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2), False)()[:, :, 0]
     chosen = choose_num_splits(batch, NUM_KV_HEADS, context, device)
-    configs = [(splits, DECODE_BLOCK_N, DECODE_NUM_WARPS, DECODE_NUM_STAGES)
+    configs = [(splits, DECODE_BLOCK_N, DECODE_NUM_WARPS, DECODE_NUM_STAGES, False)
                for splits in sorted({1, 2, 4, 8, 16, 32, chosen})]
-    configs += [(chosen, block_n, num_warps, num_stages) for block_n in (32, 64, 128) for num_warps in (4, 8)
-                for num_stages in (1, 2, 3, 4)]
+    dot_choices = (False, True) if fp8 else (False,)
+    configs += [(chosen, block_n, num_warps, num_stages, via_fp16) for block_n in (32, 64, 128)
+                for num_warps in (4, 8) for num_stages in (1, 2, 3, 4) for via_fp16 in dot_choices]
     lines = []
-    for splits, block_n, num_warps, num_stages in configs:
-        def run(s: int = splits, n: int = block_n, w: int = num_warps, st: int = num_stages) -> None:
-            paged_decode(q, k_cache, v_cache, tables, seq_lens, SCALE, s, block_n=n, num_warps=w, num_stages=st)
+    for splits, block_n, num_warps, num_stages, via_fp16 in configs:
+        def run(s: int = splits, n: int = block_n, w: int = num_warps, st: int = num_stages,
+                f: bool = via_fp16) -> torch.Tensor:
+            return paged_decode(q, k_cache, v_cache, tables, seq_lens, SCALE, s, block_n=n, num_warps=w,
+                                num_stages=st, fp8_via_fp16=f, **scales)
 
-        name = (f"decode bs={block_size:>3} b={batch:>3} ctx={context} splits={splits:>2}"
-                f"{'*' if splits == chosen else ' '} n={block_n:>3} w={num_warps} st={num_stages}")
+        name = (f"decode{'-fp8' if fp8 else ''} bs={block_size:>3} b={batch:>3} ctx={context} splits={splits:>2}"
+                f"{'*' if splits == chosen else ' '} n={block_n:>3} w={num_warps} st={num_stages}"
+                f"{' fp16=' + str(int(via_fp16)) if fp8 else ''}")
         try:
+            error = f" err {relative_error(run(), reference):.1e}" if fp8 else ""
             ms = bench_ms(run)
-            lines.append(f"{name}: {ms * 1e3:8.1f} us {kv_bytes / ms / 1e6:7.0f} GB/s")
+            lines.append(f"{name}: {ms * 1e3:8.1f} us {kv_bytes / ms / 1e6:7.0f} GB/s{error}")
         except Exception as error:  # a configuration the compiler rejects: report it, go on
             lines.append(f"{name}: FAILED {error!r:.100}")
         print(lines[-1], flush=True)
@@ -258,7 +273,7 @@ def main() -> None:
     if args.decode_sweep:
         for shape in args.decode_sweep:
             batch, context = (int(part) for part in shape.split(":"))
-            sweep_decode(256, batch, context, device)
+            sweep_decode(256, batch, context, device, args.kv_cache_dtype == "fp8")
         return
     print(HEADER, flush=True)
     rows: list[Row] = []

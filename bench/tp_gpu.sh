@@ -24,12 +24,12 @@ bench() {  # name timeout args...
   local name=$1 limit=$2; shift 2
   echo "=== $name"
   timeout "$limit" python3 bench/throughput.py --hf-num-seqs 0 --json-out "$OUT/$name.json" "$@" \
-    2>&1 | grep -v Warn | tee "$OUT/$name.log" | tail -8
+    2>&1 | grep --line-buffered -v Warn | tee "$OUT/$name.log" | tail -8
 }
 for s in ${@:-check tp8b dp}; do
   case $s in
     check) echo "=== check"; timeout 480 python3 bench/tp_check.py --json-out "$OUT/tp_check.json" 2>&1 \
-             | grep -v Warn | tee "$OUT/tp_check.log" | tail -6 ;;
+             | grep --line-buffered -v Warn | tee "$OUT/tp_check.log" | tail -6 ;;
     tp8b) bench tp1-8b 220 --model random-qwen3-8b --modes inprocess --tensor-parallel-size 1 --itl-tokens 256
           bench tp2-8b 200 --model random-qwen3-8b --modes inprocess --tensor-parallel-size 2 --itl-tokens 256 \
             --torch-profile "$OUT/profile-tp2-8b.txt" ;;

@@ -57,7 +57,7 @@ def _decode_kernel(
     stride_pl_seq, stride_pl_head,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, IS_FP8: tl.constexpr,
-    SCALE_PROBS: tl.constexpr,
+    SCALE_PROBS: tl.constexpr, FP8_VIA_FP16: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -76,8 +76,14 @@ def _decode_kernel(
     row_mask = rows < GROUP
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :],
                 mask=row_mask[:, None], other=0.0)
+    row_scale = tl.full([BLOCK_H], scale_log2, dtype=tl.float32)
     if not IS_FP8:  # the dots run in the cache's dtype, or in q's for an fp8 cache
         q = q.to(k_cache_ptr.dtype.element_ty)
+    elif FP8_VIA_FP16:  # or in float16, each q row divided by its largest magnitude (float16's range)
+        q_max = tl.max(tl.abs(q.to(tl.float32)), 1)
+        q_max = tl.where(q_max > 0.0, q_max, 1.0)
+        q = (q.to(tl.float32) / q_max[:, None]).to(tl.float16)
+        row_scale = row_scale * q_max
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -98,12 +104,12 @@ def _decode_kernel(
         k = tl.load(k_rows[:, None] + dims[None, :], mask=col_mask[:, None], other=0.0).to(q.dtype)
         v = tl.load(v_rows[:, None] + dims[None, :], mask=col_mask[:, None], other=0.0)
 
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * row_scale[:, None]
         if IS_FP8:
             k_scales = tl.load(k_scale_head + scale_rows, mask=col_mask, other=0.0)
             v_scales = tl.load(v_scale_head + scale_rows, mask=col_mask, other=0.0)
             scores = scores * k_scales[None, :]
-            if not SCALE_PROBS:
+            if not SCALE_PROBS and not FP8_VIA_FP16:
                 v = (v.to(tl.float32) * v_scales[:, None]).to(q.dtype)
         v = v.to(q.dtype)
         scores = tl.where(col_mask[None, :], scores, float("-inf"))
@@ -112,7 +118,14 @@ def _decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if IS_FP8 and SCALE_PROBS:
+        if IS_FP8 and FP8_VIA_FP16:
+            # V's scales on the probabilities, relative to the tile's largest (at most 1: no
+            # float16 subnormals for the tokens that matter), that largest applied after the dot.
+            v_top = tl.max(v_scales, 0)
+            v_top = tl.where(v_top > 0.0, v_top, 1.0)
+            pv = tl.dot((p * (v_scales / v_top)[None, :]).to(v.dtype), v, input_precision=DOT_PRECISION)
+            acc = acc * alpha[:, None] + pv * v_top
+        elif IS_FP8 and SCALE_PROBS:
             # V's scales applied to the [heads, tokens] probabilities rather than the [tokens, dims]
             # V tile: a quarter of the multiplies and no float32 round trip of the tile.
             acc = acc * alpha[:, None] + tl.dot((p * v_scales[None, :]).to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -183,7 +196,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  seq_lens: torch.Tensor, scale: float, num_splits: int, workspace: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, *, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None, block_n: int = DECODE_BLOCK_N, num_warps: int = DECODE_NUM_WARPS,
-                 num_stages: int = DECODE_NUM_STAGES) -> torch.Tensor:
+                 num_stages: int = DECODE_NUM_STAGES, fp8_via_fp16: bool = True) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
     q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
@@ -233,7 +246,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         DOT_PRECISION=dot_precision(compute_dtype(q, k_cache)), IS_FP8=is_fp8(k_cache.dtype),
         # Probabilities times V scales (down to ~1e-8) would fall into float16's subnormals: in
         # float16 the V tile is scaled instead. bfloat16 and float32 have float32's range.
-        SCALE_PROBS=q.dtype != torch.float16,
+        SCALE_PROBS=q.dtype != torch.float16, FP8_VIA_FP16=fp8_via_fp16,
         num_warps=num_warps, num_stages=num_stages,
     )
     if is_split:
