@@ -36,6 +36,7 @@ from worker_service.attention.triton_decode import (  # noqa: E402
     DECODE_BLOCK_N,
     DECODE_NUM_STAGES,
     DECODE_NUM_WARPS,
+    FP8_DECODE_BLOCK_N,
     choose_num_splits,
     paged_decode,
 )
@@ -192,9 +193,8 @@ def prefill_rows(num_seqs: int, query_len: int, block_size: int, device: torch.d
 
 def sweep_decode(block_size: int, batch: int, context: int, device: torch.device, fp8: bool = False) -> list[str]:
     """Splits at the default tile config, then tile configs (block_n, warps, stages) at the chosen
-    splits, for one decode shape. The chosen number of splits is marked with '*'. With fp8, each
-    config also with the dots in float16 (fp16=1) and the error of both against the dequantized
-    K/V."""
+    splits, for one decode shape. The chosen number of splits is marked with '*'. With fp8, the
+    error of each against the dequantized K/V."""
     k_cache = torch.randn(batch * context // block_size, block_size, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE,
                           device=device)
     v_cache = torch.randn_like(k_cache)
@@ -211,21 +211,19 @@ def sweep_decode(block_size: int, batch: int, context: int, device: torch.device
         reference = sdpa(q[:, :, None], k_seen[flat].view(batch, -1, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2),
                          v_seen[flat].view(batch, -1, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2), False)()[:, :, 0]
     chosen = choose_num_splits(batch, NUM_KV_HEADS, context, device)
-    configs = [(splits, DECODE_BLOCK_N, DECODE_NUM_WARPS, DECODE_NUM_STAGES, False)
+    default_block_n = FP8_DECODE_BLOCK_N if fp8 else DECODE_BLOCK_N
+    configs = [(splits, default_block_n, DECODE_NUM_WARPS, DECODE_NUM_STAGES)
                for splits in sorted({1, 2, 4, 8, 16, 32, chosen})]
-    dot_choices = (False, True) if fp8 else (False,)
-    configs += [(chosen, block_n, num_warps, num_stages, via_fp16) for block_n in (32, 64, 128)
-                for num_warps in (4, 8) for num_stages in (1, 2, 3, 4) for via_fp16 in dot_choices]
+    configs += [(chosen, block_n, num_warps, num_stages) for block_n in (32, 64, 128) for num_warps in (4, 8)
+                for num_stages in (1, 2, 3, 4)]
     lines = []
-    for splits, block_n, num_warps, num_stages, via_fp16 in configs:
-        def run(s: int = splits, n: int = block_n, w: int = num_warps, st: int = num_stages,
-                f: bool = via_fp16) -> torch.Tensor:
+    for splits, block_n, num_warps, num_stages in configs:
+        def run(s: int = splits, n: int = block_n, w: int = num_warps, st: int = num_stages) -> torch.Tensor:
             return paged_decode(q, k_cache, v_cache, tables, seq_lens, SCALE, s, block_n=n, num_warps=w,
-                                num_stages=st, fp8_via_fp16=f, **scales)
+                                num_stages=st, **scales)
 
         name = (f"decode{'-fp8' if fp8 else ''} bs={block_size:>3} b={batch:>3} ctx={context} splits={splits:>2}"
-                f"{'*' if splits == chosen else ' '} n={block_n:>3} w={num_warps} st={num_stages}"
-                f"{' fp16=' + str(int(via_fp16)) if fp8 else ''}")
+                f"{'*' if splits == chosen else ' '} n={block_n:>3} w={num_warps} st={num_stages}")
         try:
             error = f" err {relative_error(run(), reference):.1e}" if fp8 else ""
             ms = bench_ms(run)

@@ -53,16 +53,16 @@ def variants() -> list[Variant]:
 
     cache = dict(BLOCK_SIZE=256, HEAD_DIM=128)
     tables = {"block_tables_ptr": "i32", "seq_lens_ptr": "i32"}
-    # The KV cache in the model dtype, and in fp8 (kv_cache_dtype="fp8": e4m3, read as bf16).
+    # The KV cache in the model dtype, and in fp8 (kv_cache_dtype="fp8": e4m3; decode reads it as fp16).
     kv_types = {False: {}, True: {"k_cache_ptr": "fp8e4nv", "v_cache_ptr": "fp8e4nv", "k_scale_ptr": "fp32",
                                   "v_scale_ptr": "fp32"}}
     result = [
-        Variant(f"decode split={is_split} fp8={fp8} via_fp16={via_fp16}", _decode_kernel,
-                dict(cache, GROUP=2, BLOCK_H=16, BLOCK_N=64, IS_SPLIT=is_split, DOT_PRECISION="tf32", IS_FP8=fp8,
-                     SCALE_PROBS=True, FP8_VIA_FP16=via_fp16),
+        Variant(f"decode split={is_split} fp8={fp8}", _decode_kernel,
+                dict(cache, GROUP=2, BLOCK_H=16, BLOCK_N=128 if fp8 else 64, IS_SPLIT=is_split, DOT_PRECISION="tf32",
+                     IS_FP8=fp8),
                 dict(tables, partial_out_ptr="fp32", partial_lse_ptr="fp32", **kv_types[fp8]),
                 ("scale_log2",), options=dict(num_warps=4, num_stages=3))
-        for fp8, via_fp16 in ((False, False), (True, False), (True, True)) for is_split in (False, True)
+        for fp8 in (False, True) for is_split in (False, True)
     ]
     result.append(Variant("merge splits", _merge_splits_kernel, dict(HEAD_DIM=128, BLOCK_SPLITS=4),
                           dict(partial_out_ptr="fp32", partial_lse_ptr="fp32")))

@@ -50,9 +50,9 @@ def num_sms(device: torch.device) -> int:
 
 
 def compute_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
-    """The dtype the attention kernels multiply in: the cache's, except that an fp8 cache is widened
-    to q's dtype after loading (q is never narrowed to fp8: decode is bound by reading K/V, not by
-    the dot products, and an fp8 q would add its own rounding)."""
+    """The dtype whose dot precision the attention kernels ask for: the cache's, or q's for an fp8
+    cache (prefill widens fp8 to q's dtype, decode to float16; q is never narrowed to fp8, which
+    would add its own rounding)."""
     return q.dtype if k_cache.dtype == FP8_DTYPE else k_cache.dtype
 
 

@@ -5,8 +5,12 @@ head as the rows of one tile, so each K/V tile is read from memory once per KV h
 per query head, and streams its share of the sequence's context through the block table in tiles
 of BLOCK_N tokens x head_dim (each token's head_dim row is contiguous: 16-byte, coalesced loads).
 Scores and the online softmax are float32 in the log2 domain (log2(e) folded into the scale, exp2).
-An fp8 cache (kv_quant) is widened to q's dtype on load: each score column is multiplied by its
-token's K scale, and each probability column by its token's V scale before the second dot.
+An fp8 cache (kv_quant) is widened to float16 on load (one conversion instruction per two values
+on sm_89+; measured faster than widening to bfloat16, bench/results/2026-11-30-h200-attention-fp8-*),
+with q's rows divided by their largest magnitude into float16's range: each score column is then
+multiplied by its token's K scale (and each row by its q scale), and each probability column by
+its token's V scale relative to the tile's largest before the second dot (so no probability that
+matters falls into float16's subnormals), that largest applied after it.
 
 With one split the kernel normalizes and writes the output directly. With several, each program
 writes its normalized partial output and log2-sum-exp to a float32 workspace and a second small
@@ -34,6 +38,7 @@ from worker_service.attention.triton_common import (
 from worker_service.attention.triton_paging import load_page_ids, token_offsets
 
 DECODE_BLOCK_N = 64  # context tokens per tile: 16 KiB of K (and of V) per tile at head_dim 128 in bf16
+FP8_DECODE_BLOCK_N = 128  # the same 16 KiB in fp8 (sweep: 10-20 % faster than 64 at 256 x 1024, 64 x 4096)
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3  # next tile's K/V in flight while this one computes (>= 3 needed: see triton_paging)
 TARGET_WAVES = 4  # aim for this many programs per multiprocessor when splitting
@@ -57,7 +62,6 @@ def _decode_kernel(
     stride_pl_seq, stride_pl_head,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, IS_FP8: tl.constexpr,
-    SCALE_PROBS: tl.constexpr, FP8_VIA_FP16: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -77,9 +81,9 @@ def _decode_kernel(
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :],
                 mask=row_mask[:, None], other=0.0)
     row_scale = tl.full([BLOCK_H], scale_log2, dtype=tl.float32)
-    if not IS_FP8:  # the dots run in the cache's dtype, or in q's for an fp8 cache
+    if not IS_FP8:  # the dots run in the cache's dtype, or in float16 for an fp8 cache
         q = q.to(k_cache_ptr.dtype.element_ty)
-    elif FP8_VIA_FP16:  # or in float16, each q row divided by its largest magnitude (float16's range)
+    else:
         q_max = tl.max(tl.abs(q.to(tl.float32)), 1)
         q_max = tl.where(q_max > 0.0, q_max, 1.0)
         q = (q.to(tl.float32) / q_max[:, None]).to(tl.float16)
@@ -109,8 +113,6 @@ def _decode_kernel(
             k_scales = tl.load(k_scale_head + scale_rows, mask=col_mask, other=0.0)
             v_scales = tl.load(v_scale_head + scale_rows, mask=col_mask, other=0.0)
             scores = scores * k_scales[None, :]
-            if not SCALE_PROBS and not FP8_VIA_FP16:
-                v = (v.to(tl.float32) * v_scales[:, None]).to(q.dtype)
         v = v.to(q.dtype)
         scores = tl.where(col_mask[None, :], scores, float("-inf"))
         # Every tile holds at least one real token (start < end), so m_new is finite.
@@ -118,17 +120,11 @@ def _decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if IS_FP8 and FP8_VIA_FP16:
-            # V's scales on the probabilities, relative to the tile's largest (at most 1: no
-            # float16 subnormals for the tokens that matter), that largest applied after the dot.
+        if IS_FP8:
             v_top = tl.max(v_scales, 0)
             v_top = tl.where(v_top > 0.0, v_top, 1.0)
             pv = tl.dot((p * (v_scales / v_top)[None, :]).to(v.dtype), v, input_precision=DOT_PRECISION)
             acc = acc * alpha[:, None] + pv * v_top
-        elif IS_FP8 and SCALE_PROBS:
-            # V's scales applied to the [heads, tokens] probabilities rather than the [tokens, dims]
-            # V tile: a quarter of the multiplies and no float32 round trip of the tile.
-            acc = acc * alpha[:, None] + tl.dot((p * v_scales[None, :]).to(v.dtype), v, input_precision=DOT_PRECISION)
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -195,8 +191,8 @@ def decode_workspace_numel(num_seqs: int, num_heads: int, head_dim: int, num_spl
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, num_splits: int, workspace: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, *, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None, block_n: int = DECODE_BLOCK_N, num_warps: int = DECODE_NUM_WARPS,
-                 num_stages: int = DECODE_NUM_STAGES, fp8_via_fp16: bool = True) -> torch.Tensor:
+                 v_scale: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = DECODE_NUM_WARPS,
+                 num_stages: int = DECODE_NUM_STAGES) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
     q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
@@ -204,8 +200,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     workspace: float32, at least decode_workspace_numel(...) elements, needed when num_splits > 1
     (allocated here when None; preallocate it for CUDA graph capture). out: [num_seqs, num_heads,
     head_dim], allocated when None. k_scale, v_scale: an fp8 cache's per-head-vector scales, float32
-    [num_blocks, block_size, num_kv_heads] (kv_quant; None otherwise). block_n, num_warps,
-    num_stages: tuning knobs (see the bench).
+    [num_blocks, block_size, num_kv_heads] (kv_quant; None otherwise). block_n (by the cache's
+    dtype when None), num_warps, num_stages: tuning knobs (see the bench).
     Launches only, no host sync.
     """
     num_seqs, num_heads, head_dim = q.shape
@@ -215,6 +211,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     out = torch.empty_like(q) if out is None else out
     if num_seqs == 0:
         return out
+    if block_n is None:
+        block_n = FP8_DECODE_BLOCK_N if is_fp8(k_cache.dtype) else DECODE_BLOCK_N
     num_splits = max(1, min(int(num_splits), MAX_NUM_SPLITS))
     is_split = num_splits > 1
     if is_split:
@@ -244,9 +242,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, IS_SPLIT=is_split,
         DOT_PRECISION=dot_precision(compute_dtype(q, k_cache)), IS_FP8=is_fp8(k_cache.dtype),
-        # Probabilities times V scales (down to ~1e-8) would fall into float16's subnormals: in
-        # float16 the V tile is scaled instead. bfloat16 and float32 have float32's range.
-        SCALE_PROBS=q.dtype != torch.float16, FP8_VIA_FP16=fp8_via_fp16,
         num_warps=num_warps, num_stages=num_stages,
     )
     if is_split:
