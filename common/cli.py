@@ -75,8 +75,9 @@ def check_health(args: argparse.Namespace) -> int:
     except grpc.RpcError as error:
         # Plaintext to a TLS port, TLS to a plaintext one, a wrong CA or a missing client
         # certificate all fail the connection at once: UNAVAILABLE, the reason in the details.
+        # A refused connection (nothing listens) is not about how it dialed.
         hint = ""
-        if error.code() is grpc.StatusCode.UNAVAILABLE:
+        if error.code() is grpc.StatusCode.UNAVAILABLE and "Connection refused" not in (error.details() or ""):
             hint = (" (dialed with TLS: a plaintext port takes no --ca-cert; mTLS needs --client-cert, --client-key)"
                     if any(tls.values()) else
                     " (dialed in plaintext: a TLS port needs --ca-cert; mTLS also --client-cert, --client-key)")

@@ -50,7 +50,8 @@ def test_image_is_built_from_the_dockerfile_with_the_cli_entrypoint(compose: dic
 def test_health_command_reports_not_serving_without_a_server() -> None:
     result = run_cli("health", "--target", f"127.0.0.1:{free_port()}", "--timeout", "1")
     assert result.returncode == 1
-    assert "UNAVAILABLE" in result.stderr
+    assert "UNAVAILABLE" in result.stderr and "Connection refused" in result.stderr
+    assert "dialed" not in result.stderr  # nothing listens: no hint about TLS
 
 
 def test_worker_port_is_private_and_both_share_the_secret(compose: dict) -> None:
