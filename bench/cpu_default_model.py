@@ -6,7 +6,8 @@ process: ours (offline LLM; int4 and float32 weights), transformers' generate (f
 
 Measures single-stream decode tok/s (after the prompt), 16-stream decode tok/s (ours and transformers;
 llama-cpp-python has no batched API) and prefill tok/s (a prompt of N tokens of real text, one token out),
-and prints each figure with its ratio to ours (int4), the default on CPU.
+and prints each figure with its ratio to ours (int4), the default on CPU. The engines take turns run by
+run (best of --repeats rounds), so that load from elsewhere on a shared machine falls on all of them.
 """
 from __future__ import annotations
 
@@ -29,9 +30,15 @@ TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "python_licen
 Engine = dict[str, Callable[..., float]]
 
 
-def best_of(repeats: int, run: Callable[[], float]) -> float:
-    """The best rate of several runs: the machine is shared, and others' load only ever slows a run down."""
-    return max(run() for _ in range(repeats))
+def best_interleaved(repeats: int, runs: dict[str, Callable[[], float]]) -> dict[str, float]:
+    """The best rate of each engine over several rounds, the engines taking turns within a round: the
+    machine is shared, others' load only ever slows a run down, and a burst of it then falls on
+    every engine alike rather than on whichever ran at that moment."""
+    best = dict.fromkeys(runs, 0.0)
+    for _ in range(repeats):
+        for name, run in runs.items():
+            best[name] = max(best[name], run())
+    return best
 
 
 def ours_engine(path: Path, weight_format: str, new_tokens: int) -> Engine:
@@ -140,7 +147,7 @@ def main() -> int:
     text_ids = tokenizer.encode(TEXT.read_text() * 2)
     lengths = [int(n) for n in args.prefill.split(",")]
     names = args.engines.split(",")
-    rows: dict[str, dict[str, float]] = {}
+    engines: dict[str, Engine] = {}
     for name in names:
         if name in ("int4", "float32"):
             engine = ours_engine(path, name, args.new_tokens)
@@ -148,16 +155,18 @@ def main() -> int:
             engine = transformers_engine(path, args.new_tokens)
         else:
             engine = llama_cpp_engine(path, args.new_tokens, args.threads, max(lengths))
-        if engine is None:
-            continue
-        engine["decode"]([prompts[0]])  # warm-up
-        figures = {"decode x1": best_of(args.repeats, lambda e=engine: e["decode"]([prompts[0]])),
-                   f"decode x{args.streams}": best_of(args.repeats, lambda e=engine: e["decode"](prompts))}
-        for n in lengths:
-            figures[f"prefill {n}"] = best_of(args.repeats, lambda e=engine, n=n: e["prefill"](text_ids[:n]))
-        rows[name] = figures
-        print(name, {k: round(v, 1) for k, v in figures.items()}, flush=True)
-        del engine
+        if engine is not None:
+            engine["decode"]([prompts[0]])  # warm-up
+            engines[name] = engine
+    measures = {"decode x1": ("decode", [prompts[0]]), f"decode x{args.streams}": ("decode", prompts),
+                **{f"prefill {n}": ("prefill", text_ids[:n]) for n in lengths}}
+    rows: dict[str, dict[str, float]] = {name: {} for name in engines}
+    for label, (kind, work) in measures.items():
+        runs = {name: lambda e=engine, k=kind, w=work: e[k](w) for name, engine in engines.items()}
+        best = best_interleaved(args.repeats, runs)
+        for name, rate in best.items():
+            rows[name][label] = rate
+        print(label, {name: round(rate, 1) for name, rate in best.items()}, flush=True)
     print(f"\ntok/s, {args.threads} threads, {args.new_tokens} new tokens per stream, best of {args.repeats}; "
           f"load average {os.getloadavg()[0]:.2f}")
     columns = list(next(iter(rows.values())))
