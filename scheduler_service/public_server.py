@@ -26,7 +26,7 @@ from scheduler_service import request_conversion as convert
 from scheduler_service.api_keys import ApiKeyInterceptor, ApiKeys
 from scheduler_service.async_engine import LoadReport, RequestOutput
 from scheduler_service.error_interceptor import ErrorMappingInterceptor
-from scheduler_service.errors import RequestError
+from scheduler_service.errors import EngineUnavailableError, RequestError
 from scheduler_service.metrics import ServiceMetrics
 from scheduler_service.public_tls import ReloadingCertificates
 from scheduler_service.reflection_pool import public_descriptor_pool
@@ -50,7 +50,7 @@ PORT_IN_USE = "public port {address} is in use by another process"
 class Engine(Protocol):
     """What the public server needs of scheduler_service.async_engine.AsyncEngine."""
 
-    model_info: WorkerInfo
+    model_info: WorkerInfo | None  # None until a worker has connected once
     tokenizer: Any | None
     metrics: ServiceMetrics  # the request metrics are recorded here
 
@@ -77,8 +77,16 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
     async def _run_tokenizer(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
 
-    def _convert(self, request: generate_pb2.GenerateRequest) -> tuple[list[int], SamplingParams]:
+    def _model_info(self) -> WorkerInfo:
+        """The model's limits, known once a worker has connected (before: UNAVAILABLE, as health
+        says NOT_SERVING)."""
         model_info = self.engine.model_info
+        if model_info is None:
+            raise EngineUnavailableError("no worker is ready")
+        return model_info
+
+    def _convert(self, request: generate_pb2.GenerateRequest) -> tuple[list[int], SamplingParams]:
+        model_info = self._model_info()
         prompt = convert.prompt_token_ids(request, self.engine.tokenizer, model_info)
         return prompt, convert.sampling_params(request, len(prompt), model_info)
 
@@ -123,14 +131,14 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
         if tokenizer is None:
             raise RequestError("token_ids: this model has no tokenizer")
         ids = list(request.token_ids)
-        convert.check_vocabulary(ids, "token_ids", self.engine.model_info.vocab_size)
+        convert.check_vocabulary(ids, "token_ids", self._model_info().vocab_size)
         text = await self._run_tokenizer(
             lambda: tokenizer.decode(ids, skip_special_tokens=request.skip_special_tokens))
         return generate_pb2.DetokenizeResponse(text=text)
 
     async def GetModelInfo(self, request: generate_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> generate_pb2.GetModelInfoResponse:
-        return model_info_response(self.engine.model_info, self.engine.tokenizer)
+        return model_info_response(self._model_info(), self.engine.tokenizer)
 
     async def GetLoad(self, request: generate_pb2.GetLoadRequest,
                       context: grpc.aio.ServicerContext) -> generate_pb2.GetLoadResponse:

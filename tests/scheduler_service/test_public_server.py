@@ -36,10 +36,11 @@ def server(tokenizer) -> Iterator[ServerThread]:
 @pytest.fixture
 def engine(server: ServerThread, tokenizer) -> Iterator[FakeEngine]:
     """The module's engine, reset to a healthy state after each test."""
-    yield server.engine
     engine = server.engine
+    model_info = engine.model_info
+    yield engine
     engine.ready, engine.queue_full, engine.crash, engine.hang_after_first_output = True, False, False, False
-    engine.tokenizer = tokenizer
+    engine.tokenizer, engine.model_info = tokenizer, model_info
 
 
 @pytest.fixture
@@ -201,6 +202,18 @@ def test_unavailable_while_not_ready(client: GenerationClient, engine: FakeEngin
     wait_until(lambda: client.health_status() == "NOT_SERVING", 5.0, "health NOT_SERVING")
     engine.ready = True
     client.wait_ready(timeout=5)
+
+
+def test_unavailable_before_any_worker_connected(client: GenerationClient, engine: FakeEngine) -> None:
+    """As the real engine right after start: no worker has said what it serves (no model info)."""
+    engine.ready, engine.model_info = False, None
+    calls = [lambda: client.generate("hello"), lambda: list(client.stream([6, 7])),
+             lambda: client.detokenize([6]), lambda: client.model_info()]
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as error:
+            call()
+        assert (error.value.code(), error.value.details()) == (grpc.StatusCode.UNAVAILABLE, "no worker is ready")
+    assert client.tokenize("the cat") == [8, 9]  # the scheduler's own tokenizer needs no worker
 
 
 def test_health_not_serving_then_serving_then_draining(tokenizer) -> None:
