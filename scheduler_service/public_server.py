@@ -116,11 +116,14 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
                        context: grpc.aio.ServicerContext) -> generate_pb2.TokenizeResponse:
         tokenizer = self.engine.tokenizer
         kind = request.WhichOneof("input")
+        # Text that could not fit the model's context is refused untokenized (once a worker told it).
+        max_tokens = self.engine.model_info.max_model_len if self.engine.model_info is not None else None
         if kind == "text":
             add_special_tokens = request.add_special_tokens if request.HasField("add_special_tokens") else True
-            ids = await self._run_tokenizer(convert.encode_text, tokenizer, request.text, add_special_tokens)
+            ids = await self._run_tokenizer(convert.encode_text, tokenizer, request.text, add_special_tokens,
+                                            max_tokens)
         elif kind == "chat":
-            ids = await self._run_tokenizer(convert.encode_chat, tokenizer, request.chat)
+            ids = await self._run_tokenizer(convert.encode_chat, tokenizer, request.chat, max_tokens)
         else:
             raise RequestError("input: set one of text or chat")
         return generate_pb2.TokenizeResponse(token_ids=ids)

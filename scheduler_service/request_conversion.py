@@ -43,14 +43,14 @@ def prompt_token_ids(request: generate_pb2.GenerateRequest, tokenizer: Tokenizer
     if kind == "text":
         if not request.text:
             raise RequestError("text: must not be empty")
-        ids = encode_text(tokenizer, request.text, add_special_tokens=True)
+        ids = encode_text(tokenizer, request.text, add_special_tokens=True, max_tokens=model_info.max_model_len)
     elif kind == "token_ids":
         ids = list(request.token_ids.ids)
         if not ids:
             raise RequestError("token_ids: must not be empty")
         check_vocabulary(ids, "token_ids", model_info.vocab_size)
     elif kind == "chat":
-        ids = encode_chat(tokenizer, request.chat)
+        ids = encode_chat(tokenizer, request.chat, max_tokens=model_info.max_model_len)
     else:
         raise RequestError("prompt: set one of text, token_ids or chat")
     if not ids:
@@ -62,13 +62,16 @@ def prompt_token_ids(request: generate_pb2.GenerateRequest, tokenizer: Tokenizer
     return ids
 
 
-def encode_text(tokenizer: Tokenizer | None, text: str, add_special_tokens: bool) -> list[int]:
+def encode_text(tokenizer: Tokenizer | None, text: str, add_special_tokens: bool,
+                max_tokens: int | None = None) -> list[int]:
     if tokenizer is None:
         raise RequestError("text: this model has no tokenizer; send token_ids")
+    check_fits(tokenizer, len(text.encode()), "text", max_tokens)
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
-def encode_chat(tokenizer: Tokenizer | None, chat: generate_pb2.ChatMessages) -> list[int]:
+def encode_chat(tokenizer: Tokenizer | None, chat: generate_pb2.ChatMessages,
+                max_tokens: int | None = None) -> list[int]:
     """Applies the model's chat template with the generation prompt, then tokenizes."""
     if tokenizer is None:
         raise RequestError("chat: this model has no tokenizer; send token_ids")
@@ -80,6 +83,7 @@ def encode_chat(tokenizer: Tokenizer | None, chat: generate_pb2.ChatMessages) ->
         if message.role not in CHAT_ROLES:
             raise RequestError(f"chat.messages[{index}].role: must be one of {', '.join(CHAT_ROLES)}; "
                                f"got {quote(message.role)}")
+    check_fits(tokenizer, sum(len(m.content.encode()) for m in chat.messages), "chat.messages", max_tokens)
     messages = [{"role": m.role, "content": m.content} for m in chat.messages]
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -87,6 +91,18 @@ def encode_chat(tokenizer: Tokenizer | None, chat: generate_pb2.ChatMessages) ->
         raise RequestError(f"chat.messages: the model's chat template rejected them: {quote(str(exc))}") from exc
     # The template already holds BOS and the like; adding special tokens again would double them.
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def check_fits(tokenizer: Tokenizer, num_bytes: int, field: str, max_tokens: int | None) -> None:
+    """Refuses, before tokenizing it, text that cannot fit max_tokens tokens whatever it says:
+    tokenizing megabytes takes seconds of the one tokenizer thread that all requests share. Twice
+    the bytes any max_tokens tokens stand for (a normalizer may shorten text). None: no bound."""
+    if max_tokens is None:
+        return
+    limit = 2 * max_tokens * tokenizer.max_token_bytes
+    if num_bytes > limit:
+        raise RequestError(f"{field}: {num_bytes} bytes of text cannot fit {max_tokens} tokens "
+                           f"(max_model_len; at most {limit} bytes)")
 
 
 def check_vocabulary(token_ids: list[int], field: str, vocab_size: int) -> None:

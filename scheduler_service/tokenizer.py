@@ -3,6 +3,7 @@ loaded from a Hugging Face folder or from GGUF metadata. transformers is not use
 importing its tokenizers pulls in torch, which the scheduler service never imports."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from datetime import datetime
@@ -42,6 +43,13 @@ class Tokenizer:
     @property
     def bos_token_id(self) -> int | None:
         return self.backend.token_to_id(self.bos_token) if self.bos_token else None
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of text one token stands for, over-estimated from the vocabulary's
+        strings (byte-level and SentencePiece vocabularies spell a byte or a space with a longer
+        character): how a text too long for a context is told before it is tokenized."""
+        return max((len(piece.encode()) for piece in self.backend.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids

@@ -155,6 +155,28 @@ def test_invalid_requests(client: GenerationClient, engine: FakeEngine, streamin
     assert client.health_status() == "SERVING" and client.generate([6]).text == "hello world"
 
 
+def test_text_too_long_for_the_context_is_refused_untokenized(client: GenerationClient, engine: FakeEngine,
+                                                              tokenizer) -> None:
+    limit = 2 * MAX_MODEL_LEN * tokenizer.max_token_bytes  # bytes no MAX_MODEL_LEN tokens could stand for
+    text = "the cat " * (limit // 8 + 1)
+    calls = {"text": lambda: client.generate(text), "chat.messages": lambda: client.generate(messages=[("user", text)])}
+    calls["text "] = lambda: client.tokenize(text)  # Tokenize too, once the model's context is known
+    for field, call in calls.items():
+        with pytest.raises(grpc.RpcError) as error:
+            call()
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.value.details() == (f"{field.strip()}: {len(text)} bytes of text cannot fit {MAX_MODEL_LEN} "
+                                         f"tokens (max_model_len; at most {limit} bytes)")
+    # Just under the bound it is tokenized, and then the token count decides.
+    shorter = text[:limit]
+    assert len(client.tokenize(shorter)) >= MAX_MODEL_LEN
+    with pytest.raises(grpc.RpcError) as error:
+        client.generate(shorter)
+    assert error.value.details().startswith("prompt: ")
+    engine.model_info = None  # before any worker connected: no context to judge by
+    assert len(client.tokenize(text)) > MAX_MODEL_LEN
+
+
 def test_missing_prompt(client: GenerationClient) -> None:
     with pytest.raises(grpc.RpcError) as error:
         client.stub.Generate(generate_pb2.GenerateRequest(max_tokens=4))
