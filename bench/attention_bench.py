@@ -31,7 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker_service.attention.kv_quant import head_scales, quantize  # noqa: E402
+from worker_service.attention.kv_quant import dequantize, head_scales, quantize  # noqa: E402
 from worker_service.attention.triton_decode import (  # noqa: E402
     DECODE_BLOCK_N,
     DECODE_NUM_STAGES,
@@ -119,11 +119,19 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> 
         return repeated
 
 
-def fp8_cache(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """An e4m3 copy of a paged cache, its scales, and the dequantized values SDPA should see."""
-    scales = head_scales(cache)
-    values = quantize(cache, scales)
-    return values, scales, (values.float() * scales[..., None]).to(DTYPE)
+def fp8_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+               context: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """e4m3 copies of paged K and V caches, their scales (paged_decode's k_scale, v_scale), and the
+    dequantized K and V of each sequence, [batch, context, kv_heads, head_dim], that SDPA should see."""
+    flat = tables.long().flatten()
+    values, scales, seen = [], {}, []
+    for name, cache in (("k", k_cache), ("v", v_cache)):
+        cache_scales = head_scales(cache)
+        values.append(quantize(cache, cache_scales))
+        scales[f"{name}_scale"] = cache_scales
+        per_seq = dequantize(values[-1], cache_scales).to(DTYPE)[flat]
+        seen.append(per_seq.view(tables.shape[0], -1, NUM_KV_HEADS, HEAD_DIM)[:, :context])
+    return values[0], values[1], scales, seen[0], seen[1]
 
 
 def decode_rows(block_size: int, batch: int, context: int, device: torch.device, fp8: bool = False) -> list[Row]:
@@ -131,14 +139,10 @@ def decode_rows(block_size: int, batch: int, context: int, device: torch.device,
     v = torch.randn_like(k)
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
     k_cache, v_cache, tables = paged_copy(k, v, block_size)
-    k_scale = v_scale = None
+    scales: dict[str, torch.Tensor] = {}
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * k.element_size()
     if fp8:
-        k_cache, k_scale, k_seen = fp8_cache(k_cache)
-        v_cache, v_scale, v_seen = fp8_cache(v_cache)
-        flat = tables.long().flatten()
-        k = k_seen[flat].view(batch, -1, NUM_KV_HEADS, HEAD_DIM)[:, :context]
-        v = v_seen[flat].view(batch, -1, NUM_KV_HEADS, HEAD_DIM)[:, :context]
+        k_cache, v_cache, scales, k, v = fp8_caches(k_cache, v_cache, tables, context)
         kv_bytes = 2 * batch * context * NUM_KV_HEADS * (HEAD_DIM + 4)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     splits = choose_num_splits(batch, NUM_KV_HEADS, context, device)
@@ -146,8 +150,7 @@ def decode_rows(block_size: int, batch: int, context: int, device: torch.device,
     out = torch.empty_like(q)
 
     def run() -> torch.Tensor:
-        return paged_decode(q, k_cache, v_cache, tables, seq_lens, SCALE, splits, workspace, out,
-                            k_scale=k_scale, v_scale=v_scale)
+        return paged_decode(q, k_cache, v_cache, tables, seq_lens, SCALE, splits, workspace, out, **scales)
 
     reference = sdpa(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), is_causal=False)
     error = relative_error(run(), reference()[:, :, 0])
@@ -202,14 +205,11 @@ def sweep_decode(block_size: int, batch: int, context: int, device: torch.device
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
     kv_bytes = 2 * k_cache.numel() * k_cache.element_size()
-    scales: dict = {}
+    scales: dict[str, torch.Tensor] = {}
     if fp8:
-        k_cache, scales["k_scale"], k_seen = fp8_cache(k_cache)
-        v_cache, scales["v_scale"], v_seen = fp8_cache(v_cache)
+        k_cache, v_cache, scales, k_seen, v_seen = fp8_caches(k_cache, v_cache, tables, context)
         kv_bytes = kv_bytes // 2 + 2 * scales["k_scale"].numel() * 4
-        flat = tables.long().flatten()
-        reference = sdpa(q[:, :, None], k_seen[flat].view(batch, -1, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2),
-                         v_seen[flat].view(batch, -1, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2), False)()[:, :, 0]
+        reference = sdpa(q[:, :, None], k_seen.transpose(1, 2), v_seen.transpose(1, 2), False)()[:, :, 0]
     chosen = choose_num_splits(batch, NUM_KV_HEADS, context, device)
     default_block_n = FP8_DECODE_BLOCK_N if fp8 else DECODE_BLOCK_N
     configs = [(splits, default_block_n, DECODE_NUM_WARPS, DECODE_NUM_STAGES)

@@ -117,7 +117,8 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
         tokenizer = self.engine.tokenizer
         kind = request.WhichOneof("input")
         # Text that could not fit the model's context is refused untokenized (once a worker told it).
-        max_tokens = self.engine.model_info.max_model_len if self.engine.model_info is not None else None
+        model_info = self.engine.model_info
+        max_tokens = model_info.max_model_len if model_info is not None else None
         if kind == "text":
             add_special_tokens = request.add_special_tokens if request.HasField("add_special_tokens") else True
             ids = await self._run_tokenizer(convert.encode_text, tokenizer, request.text, add_special_tokens,

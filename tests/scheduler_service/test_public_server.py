@@ -159,13 +159,14 @@ def test_text_too_long_for_the_context_is_refused_untokenized(client: Generation
                                                               tokenizer) -> None:
     limit = 2 * MAX_MODEL_LEN * tokenizer.max_token_bytes  # bytes no MAX_MODEL_LEN tokens could stand for
     text = "the cat " * (limit // 8 + 1)
-    calls = {"text": lambda: client.generate(text), "chat.messages": lambda: client.generate(messages=[("user", text)])}
-    calls["text "] = lambda: client.tokenize(text)  # Tokenize too, once the model's context is known
-    for field, call in calls.items():
+    calls = [("text", lambda: client.generate(text)),
+             ("chat.messages", lambda: client.generate(messages=[("user", text)])),
+             ("text", lambda: client.tokenize(text))]  # Tokenize too, once the model's context is known
+    for field, call in calls:
         with pytest.raises(grpc.RpcError) as error:
             call()
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert error.value.details() == (f"{field.strip()}: {len(text)} bytes of text cannot fit {MAX_MODEL_LEN} "
+        assert error.value.details() == (f"{field}: {len(text)} bytes of text cannot fit {MAX_MODEL_LEN} "
                                          f"tokens (max_model_len; at most {limit} bytes)")
     # Just under the bound it is tokenized, and then the token count decides.
     shorter = text[:limit]

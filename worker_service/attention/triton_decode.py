@@ -6,7 +6,8 @@ per query head, and streams its share of the sequence's context through the bloc
 of BLOCK_N tokens x head_dim (each token's head_dim row is contiguous: 16-byte, coalesced loads).
 Scores and the online softmax are float32 in the log2 domain (log2(e) folded into the scale, exp2).
 An fp8 cache (kv_quant) is widened to float16 on load (one conversion instruction per two values
-on sm_89+; measured faster than widening to bfloat16, bench/results/2026-11-30-h200-attention-fp8-*),
+on sm_89+; with 128-token tiles measured faster than widening to bfloat16, though not with 64:
+bench/results/2026-11-30-h200-attention-fp8-sweep-63dc9f8.txt),
 with q's rows divided by their largest magnitude into float16's range: each score column is then
 multiplied by its token's K scale (and each row by its q scale), and each probability column by
 its token's V scale relative to the tile's largest before the second dot (so no probability that
