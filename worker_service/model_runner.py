@@ -14,7 +14,7 @@ from worker_service.attention.base import AttentionMetadata
 from worker_service.attention.kv_quant import SCALE_DTYPE, is_fp8, kv_cache_torch_dtype
 from worker_service.batch import ModelInput, build_model_input, sampling_rows
 from worker_service.cpu_quantization import resolve_cpu_weight_format
-from worker_service.cuda_graphs import DecodeGraphs
+from worker_service.cuda_graphs import DecodeGraphs, PrefillGraphs
 from worker_service.decode_plan import DecodePlan
 from worker_service.distributed import broadcast_from_first, min_over_ranks, tp_rank, tp_size
 from worker_service.memory_profile import HEAVIEST_SAMPLING, PLAIN_SAMPLING, warmup_chunks
@@ -85,7 +85,7 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.kv_scales: torch.Tensor | None = None
         self._available_blocks: int | None = None
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: list[DecodeGraphs | PrefillGraphs] = []  # tried in order; none: eager
 
     @property
     def model_name(self) -> str:
@@ -145,7 +145,7 @@ class ModelRunner:
         return peak
 
     def release_cache(self) -> None:
-        self.graphs = None
+        self.graphs = []
         self.kv_cache = None
         self.kv_scales = None
         self.num_kv_blocks = 0
@@ -170,11 +170,21 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, spec.block_size,
                     num_blocks * spec.bytes_per_block / 2**20)
         if capture_graphs and self.device.type == "cuda" and not self.config.enforce_eager:
-            self.graphs = DecodeGraphs(self.model, self.model_config, self.backend, self.config.max_num_seqs,
-                                       self.max_model_len, self.config.block_size, self.device,
-                                       (self.num_heads, self.num_kv_heads))
-            self.graphs.capture()
+            self._capture_graphs()
         return num_blocks
+
+    def _capture_graphs(self) -> None:
+        config = self.config
+        self.graphs = [DecodeGraphs(self.model, self.model_config, self.backend, config.max_num_seqs,
+                                    self.max_model_len, config.block_size, self.device,
+                                    (self.num_heads, self.num_kv_heads))]
+        if self.backend.graphs_prefill:
+            self.graphs.append(PrefillGraphs(self.model, self.model_config,
+                                             min(config.max_num_batched_tokens, self.max_model_len),
+                                             self.max_model_len, config.block_size, self.device))
+        pool = None
+        for graphs in self.graphs:
+            pool = graphs.capture(pool)
 
     # Steps.
 
@@ -216,7 +226,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_logits(self, model_input: ModelInput) -> torch.Tensor | None:
         """Logits of the last token of each sampling chunk (None when no chunk samples); decode
-        batches run through a CUDA graph when one is captured."""
+        batches, and one sequence's prefill, run through a CUDA graph when one is captured."""
         if self.kv_cache is None:
             raise RuntimeError("the KV cache is not initialised (InitCache first)")
         model_input = self._to_device(model_input)
@@ -227,8 +237,9 @@ class ModelRunner:
         return self.model.compute_logits(hidden[model_input.logits_indices])
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        if self.graphs is not None and self.graphs.can_run(metadata):
-            return self.graphs.run(input_ids, positions, metadata)
+        for graphs in self.graphs:
+            if graphs.can_run(metadata):
+                return graphs.run(input_ids, positions, metadata)
         return self.model(input_ids, positions, metadata)
 
     def _fill_pending_tokens(self, model_input: ModelInput) -> None:

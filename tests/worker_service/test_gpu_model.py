@@ -54,6 +54,32 @@ def test_float32_greedy_is_token_exact(checkpoint: Path, enforce_eager: bool) ->
     assert [r["token_ids"] for r in results] == hf_greedy(checkpoint, batch)
 
 
+def test_one_sequence_prefills_through_their_graph_token_exact(checkpoint: Path, monkeypatch) -> None:
+    """A lone request's prefill replays a padded prefill graph (the repeated prompt: only its
+    uncached tail), and the tokens stay transformers' own in float32."""
+    from offline import LLM
+    from worker_service.cuda_graphs import PrefillGraphs
+
+    replayed: list[int] = []
+    run = PrefillGraphs.run
+
+    def counting_run(self, input_ids, positions, metadata):
+        replayed.append(input_ids.shape[0])
+        return run(self, input_ids, positions, metadata)
+
+    monkeypatch.setattr(PrefillGraphs, "run", counting_run)
+    batch = prompts()[:4]
+    batch.append(batch[1])  # 35 tokens: 32 cached, 3 computed
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    with LLM(str(checkpoint), device="cuda", dtype="float32", block_size=16, num_kv_blocks=512, max_num_seqs=16,
+             max_num_batched_tokens=512) as llm:
+        results = [llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"] for prompt in batch]
+    assert len(replayed) == len(batch)
+    assert replayed[:4] == [len(prompt) for prompt in batch[:4]]
+    assert replayed[4] < len(batch[4])  # the cached prefix is not computed again
+    assert results == hf_greedy(checkpoint, batch)
+
+
 def teacher_forced_logits(checkpoint: Path, tokens: list[int], prompt_len: int) -> torch.Tensor:
     """Our bf16 logits at positions prompt_len-1 .. len-2: the prompt in two prefill chunks, then
     one decode step per token, replayed through the CUDA graph."""
@@ -67,7 +93,7 @@ def teacher_forced_logits(checkpoint: Path, tokens: list[int], prompt_len: int) 
     fused_kernels.enable()  # as a worker sets at start
     runner = ModelRunner(config)
     runner.init_cache(64)
-    assert runner.graphs is not None
+    assert runner.graphs
     blocks = list(range(64))
     random.Random(0).shuffle(blocks)
     blocks = blocks[:-(-len(tokens) // 16)]

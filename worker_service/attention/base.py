@@ -58,6 +58,9 @@ class AttentionBackend(ABC):
     """
 
     name: str = ""
+    # Whether a prefill's attention may be captured in a CUDA graph: it reads the batch's shape
+    # only from metadata tensors, never from host lists or host syncs (max_query_len sizes the grid).
+    graphs_prefill: bool = False
 
     @abstractmethod
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

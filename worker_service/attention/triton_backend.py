@@ -21,7 +21,10 @@ if TYPE_CHECKING:
 @register_backend("triton")
 class TritonAttentionBackend(AttentionBackend):
     """No host syncs and no data-dependent host logic on the decode path, so it can be captured
-    in a CUDA graph (see AttentionMetadata.decode_num_splits / decode_workspace)."""
+    in a CUDA graph (see AttentionMetadata.decode_num_splits / decode_workspace); neither on the
+    prefill path, whose grid max_query_len sizes."""
+
+    graphs_prefill = True
 
     def __init__(self) -> None:
         # Split-decode scratch allocated here when the metadata brings none. Buffers are only ever
