@@ -145,14 +145,27 @@ class ModelRunner:
         return peak
 
     def release_cache(self) -> None:
+        """Drops the graphs and every reference to the cache (the layers' views too), so that its
+        memory can hold the next one: a second InitCache (a scheduler taking the worker over) needs it."""
         self.graphs = []
         self.kv_cache = None
         self.kv_scales = None
+        self._attach_cache()
         self.num_kv_blocks = 0
+
+    def _attach_cache(self) -> None:
+        """Points each attention layer at its slice of the cache (at nothing when there is none)."""
+        for layer_index, attention in enumerate(self.model.attention_layers()):
+            caches = self.kv_cache[layer_index] if self.kv_cache is not None else (torch.empty(0), torch.empty(0))
+            attention.k_cache, attention.v_cache = caches[0], caches[1]
+            scales = self.kv_scales[layer_index] if self.kv_scales is not None else (None, None)
+            attention.k_scale, attention.v_scale = scales[0], scales[1]
 
     def init_cache(self, num_blocks: int, capture_graphs: bool = True) -> int:
         spec = self.kv_spec
         self.release_cache()  # before allocating: the old cache's memory may be needed for the new one
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the old graphs' pool and a cache of another size: back to the device
         # Every slot is written before it is read; zeros on the CPU only keep stray reads finite.
         allocate = torch.empty if self.device.type == "cuda" else torch.zeros
         self.kv_cache = allocate((spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
@@ -160,12 +173,7 @@ class ModelRunner:
         if is_fp8(spec.dtype):
             self.kv_scales = allocate((spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads),
                                       dtype=SCALE_DTYPE, device=self.device)
-        for layer_index, attention in enumerate(self.model.attention_layers()):
-            attention.k_cache = self.kv_cache[layer_index, 0]
-            attention.v_cache = self.kv_cache[layer_index, 1]
-            if self.kv_scales is not None:
-                attention.k_scale = self.kv_scales[layer_index, 0]
-                attention.v_scale = self.kv_scales[layer_index, 1]
+        self._attach_cache()
         self.num_kv_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, spec.block_size,
                     num_blocks * spec.bytes_per_block / 2**20)
