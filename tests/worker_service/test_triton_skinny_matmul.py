@@ -14,9 +14,14 @@ from tests.worker_service.triton_runtime import DEVICE, INTERPRET, skip_module_u
 
 skip_module_unless_kernels_run()
 
-from worker_service.layers import linear  # noqa: E402
+from worker_service.layers import linear, norm  # noqa: E402
 from worker_service.layers import triton_skinny_matmul as skinny  # noqa: E402
-from worker_service.layers.triton_skinny_matmul import SkinnyConfig, skinny_linear, use_skinny  # noqa: E402
+from worker_service.layers.triton_skinny_matmul import (  # noqa: E402
+    SkinnyConfig,
+    skinny_linear,
+    skinny_norm_linear,
+    use_skinny,
+)
 
 pytestmark = pytest.mark.gpu
 on_gpu = pytest.mark.skipif(INTERPRET, reason="needs a CUDA device")
@@ -87,6 +92,58 @@ def test_leading_dimensions_and_strided_rows() -> None:
     assert skinny_linear(x[:0], weight).shape == (0, 24)
     with pytest.raises(ValueError, match="contiguous"):
         skinny_linear(x, torch.cat([weight, weight], dim=1)[:, ::2])
+
+
+# The norm in the prologue: the CUDA-core path in one K step and in several masked ones, the
+# tensor-core path in several; on a GPU _config's own choices at Qwen3-0.6B's shapes.
+NORM_CASES = [(1, 40, 64, SkinnyConfig(8, 64, 4, 1, False)), (2, 24, 200, SkinnyConfig(8, 64, 4, 1, False)),
+              (5, 40, 96, SkinnyConfig(16, 32, 4, 2, True))]
+if not INTERPRET:
+    NORM_CASES += [(1, 6144, 1024, None), (2, 4096, 1024, None), (4, 4096, 1024, None), (16, 6144, 1024, None)]
+
+
+@pytest.mark.parametrize("has_residual", [False, True])
+@pytest.mark.parametrize(("m", "n", "k", "config"), NORM_CASES)
+def test_norm_in_the_prologue_matches_the_norm_then_the_product(m: int, n: int, k: int, config: SkinnyConfig | None,
+                                                                 has_residual: bool) -> None:
+    dtype = torch.float16 if INTERPRET else torch.bfloat16
+    x, weight, bias = inputs(m, n, k, dtype, has_bias=True, seed=k)
+    generator = torch.Generator().manual_seed(m)
+    residual = torch.randn(m, k, generator=generator).to(dtype).to(DEVICE) if has_residual else None
+    norm_weight = (1 + 0.1 * torch.randn(k, generator=generator)).to(dtype).to(DEVICE)
+    out, total = skinny_norm_linear(x, residual, norm_weight, 1e-6, weight, bias, config)
+    if residual is None:
+        normed, expected_total = norm.rms_norm(x, norm_weight, 1e-6), x
+    else:
+        normed, expected_total = norm.add_rms_norm(x, residual, norm_weight, 1e-6)
+    assert torch.equal(total, expected_total)  # the residual stream: the same rounding, bit for bit
+    check_close(out, normed, weight, bias)
+
+
+def test_normed_linear_composes_on_the_cpu_and_for_other_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU entry hands CPU tensors, and layers that are not column-parallel, to the norm and then
+    the layer: the same bits as the reference composition."""
+    monkeypatch.setitem(linear.KERNELS, "normed_linear", skinny.normed_linear)
+    rms = norm.RMSNorm(64)
+    rms.weight.data.normal_()
+    x, residual = torch.randn(2, 64), torch.randn(2, 64)
+    for layer in (linear.MergedColumnLinear(64, [16, 16]), linear.RowLinear(64, 32)):
+        layer.weight.data.normal_()
+        expected = linear.compose_normed_linear(x, residual, rms, layer)
+        got = linear.normed_linear(x, residual, rms, layer)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+@on_gpu
+def test_normed_linear_takes_the_kernel_for_column_parallel_layers_on_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(linear.KERNELS, "normed_linear", skinny.normed_linear)
+    layer = linear.MergedColumnLinear(1024, [512, 512]).to(device="cuda", dtype=torch.bfloat16)
+    rms = norm.RMSNorm(1024).to(device="cuda", dtype=torch.bfloat16)
+    layer.weight.data.normal_(std=1 / 32), rms.weight.data.normal_(1, 0.1)
+    x, residual = (torch.randn(2, 1024, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out, total = linear.normed_linear(x, residual, rms, layer)
+    fused_out, fused_total = skinny_norm_linear(x, residual, rms.weight, rms.eps, layer.weight)
+    assert torch.equal(out, fused_out) and torch.equal(total, fused_total)
 
 
 def test_configs_fit_the_shapes() -> None:

@@ -4,7 +4,7 @@ the models read the same at any rank count."""
 
 from worker_service.layers.activation import SiluAndMul
 from worker_service.layers.embedding import LMHead, VocabEmbedding
-from worker_service.layers.linear import LinearBase, MergedColumnLinear, QKVLinear, RowLinear
+from worker_service.layers.linear import LinearBase, MergedColumnLinear, QKVLinear, RowLinear, normed_linear
 from worker_service.layers.norm import RMSNorm
 from worker_service.layers.rotary import RotaryEmbedding
 
@@ -18,4 +18,5 @@ __all__ = [
     "RotaryEmbedding",
     "SiluAndMul",
     "VocabEmbedding",
+    "normed_linear",
 ]

@@ -6,7 +6,8 @@ dynamic-shape SiLU took 5.1 us per decode call on an H200, and a compiled norm c
 time per call outside CUDA graphs (dynamo's guards and wrappers), a third of a prefill's. The eager
 versions stay the reference; CPUs take the fewer-op eager ones of cpu_kernels (`enable_for` chooses
 by device). Linear layers of at most 16 rows in 16-bit dtypes go to a Triton matrix-vector kernel
-(triton_skinny_matmul), others stay on cuBLAS."""
+(triton_skinny_matmul), others stay on cuBLAS; there the norm before a column-parallel projection
+runs in that kernel too."""
 from __future__ import annotations
 
 import logging
@@ -47,6 +48,7 @@ def enable() -> None:
     norm.KERNELS["add_rms_norm"] = _by_dtype(triton_norm.add_rms_norm, compile_(norm.add_rms_norm))
     activation.KERNELS["silu_and_mul"] = triton_activation.silu_and_mul
     linear.KERNELS["linear"] = triton_skinny_matmul.linear
+    linear.KERNELS["normed_linear"] = triton_skinny_matmul.normed_linear
     _enabled = True
     logger.info("fused elementwise kernels enabled (Triton, torch.compile)")
 

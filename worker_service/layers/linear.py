@@ -15,13 +15,16 @@ sends decode-sized inputs (few rows) to a Triton kernel that reads the weight at
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from worker_service.distributed import all_reduce, tp_rank, tp_size
+
+if TYPE_CHECKING:
+    from worker_service.layers.norm import RMSNorm
 
 ShardId = int | str | None
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
@@ -31,8 +34,22 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return KERNELS["linear"](x, weight, bias)
 
 
-# The implementation the layers call; fused_kernels.enable() swaps in triton_skinny_matmul.linear on GPUs.
-KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]] = {"linear": F.linear}
+def normed_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                  layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layer(norm(s)), s) with s = x + residual, or x when residual is None (the first layer): a
+    pre-norm block's norm and the projection after it, and the residual stream the next norm adds back.
+    On GPUs decode-sized inputs of a column-parallel layer take one kernel (KERNELS["normed_linear"])."""
+    return KERNELS["normed_linear"](x, residual, norm, layer)
+
+
+def compose_normed_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                          layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    normed, total = (norm(x), x) if residual is None else norm(x, residual)
+    return layer(normed), total
+
+
+# The implementations the layers call; fused_kernels.enable() swaps in triton_skinny_matmul's on GPUs.
+KERNELS: dict[str, Callable[..., Any]] = {"linear": F.linear, "normed_linear": compose_normed_linear}
 
 
 def attach_loader(param: nn.Parameter, loader: WeightLoader, shard_ids: Sequence[ShardId] = (None,)) -> None:

@@ -23,6 +23,10 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch import nn
+
+from worker_service.layers.linear import MergedColumnLinear, compose_normed_linear
+from worker_service.layers.norm import RMSNorm
 
 MAX_ROWS = 16  # the most rows of x the kernel takes; more go to cuBLAS, which is efficient there
 DTYPES = (torch.bfloat16, torch.float16)
@@ -45,14 +49,45 @@ class SkinnyConfig(NamedTuple):
 
 
 @triton.jit
-def _skinny_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x_row, stride_w_row, stride_out_row,
-                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _input_tile(x_ptr, residual_ptr, norm_w_ptr, rows, ks, mask, rstd, stride_x_row, stride_residual_row,
+                ADD_RESIDUAL: tl.constexpr, NORMALIZE: tl.constexpr):
+    """Rows of x at columns ks (rows and rstd: a column [BLOCK_M, 1] or a scalar), in x's dtype: x,
+    or x + residual, then with NORMALIZE times rstd (each row's 1 / rms) and the norm's weight,
+    rounded at each step as the eager norm (norm.add_rms_norm) rounds."""
+    x = tl.load(x_ptr + rows * stride_x_row + ks, mask=mask, other=0.0)
+    if ADD_RESIDUAL:
+        residual = tl.load(residual_ptr + rows * stride_residual_row + ks, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+    if NORMALIZE:
+        normed = (x.to(tl.float32) * rstd).to(x.dtype)
+        norm_w = tl.load(norm_w_ptr + ks, mask=mask, other=0.0)
+        x = (norm_w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _skinny_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, residual_ptr, norm_w_ptr, sum_ptr, eps, M, N, K,
+                          stride_x_row, stride_w_row, stride_out_row, stride_residual_row, stride_sum_row,
+                          HAS_BIAS: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr):
     columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
     # The last program's rows past N re-read row N - 1 (unmasked loads); their results are not stored.
     w_rows = tl.minimum(columns, N - 1).to(tl.int64)
     rows = tl.arange(0, BLOCK_M)  # rows of x
     offsets = tl.arange(0, BLOCK_K)
+    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if NORM != 0:
+        # Every program normalises the rows itself (a few KB from L2); the first one also writes
+        # x + residual, the residual stream the next layer adds back.
+        for k in range(0, K, BLOCK_K):
+            mask = (rows[:, None] < M) & ((k + offsets)[None, :] < K)
+            x = _input_tile(x_ptr, residual_ptr, norm_w_ptr, rows[:, None], (k + offsets)[None, :], mask, 0.0,
+                            stride_x_row, stride_residual_row, NORM == 2, False)
+            if NORM == 2:
+                tl.store(sum_ptr + rows[:, None] * stride_sum_row + (k + offsets)[None, :], x,
+                         mask=mask & (tl.program_id(0) == 0))
+            rstd += tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1)
+        rstd = tl.math.rsqrt(rstd / K + eps)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # acc[n, m] = y[m, n]
     for k in range(0, K, BLOCK_K):
         w_ptrs = w_ptr + w_rows[:, None] * stride_w_row + (k + offsets)[None, :]
@@ -62,13 +97,16 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x_row
             w = tl.load(w_ptrs, mask=(k + offsets)[None, :] < K, other=0.0)
         if USE_DOT:
             x_mask = (rows[:, None] < M) & ((k + offsets)[None, :] < K)
-            x = tl.load(x_ptr + rows[:, None] * stride_x_row + (k + offsets)[None, :], mask=x_mask, other=0.0)
+            x = _input_tile(x_ptr, residual_ptr, norm_w_ptr, rows[:, None], (k + offsets)[None, :], x_mask,
+                            rstd[:, None], stride_x_row, stride_residual_row, NORM == 2, NORM != 0)
             acc = tl.dot(w, tl.trans(x), acc)
         else:
             w = w.to(tl.float32)
             for m in tl.static_range(BLOCK_M):
                 x_mask = (m < M) & (k + offsets < K)
-                x = tl.load(x_ptr + m * stride_x_row + k + offsets, mask=x_mask, other=0.0).to(tl.float32)
+                row_rstd = tl.sum(tl.where(rows == m, rstd, 0.0))
+                x = _input_tile(x_ptr, residual_ptr, norm_w_ptr, m, k + offsets, x_mask, row_rstd, stride_x_row,
+                                stride_residual_row, NORM == 2, NORM != 0).to(tl.float32)
                 partial = tl.sum(w * x[None, :], axis=1)
                 acc = tl.where(rows[None, :] == m, acc + partial[:, None], acc)
     if HAS_BIAS:
@@ -114,26 +152,64 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   config: SkinnyConfig | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [..., K] of at most MAX_ROWS rows (see use_skinny), W [N, K].
     float32 sums, one rounding to x's dtype; no host sync. `config` overrides _config (benchmarks)."""
+    return _launch(x, weight, bias, config)[0]
+
+
+def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                       weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       config: SkinnyConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(F.linear(rms_norm(s), weight, bias), s) with s = x + residual (x when residual is None), in one
+    kernel: no launch and no round trip through memory for the norm (in a decode step of Qwen3-0.6B,
+    56 launches of ~1.7 us each). Rounds as norm.add_rms_norm then skinny_linear do."""
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual: shape {tuple(residual.shape)}, x has {tuple(x.shape)}")
+    return _launch(x, weight, bias, config, (residual, norm_weight, eps))
+
+
+def _rows(tensor: torch.Tensor, k: int) -> torch.Tensor:
+    rows = tensor.reshape(-1, k)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig | None,
+            norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel on x's rows; norm: (residual or None, norm weight, eps). Returns the product and
+    the norm's input sum (x itself without a residual, or without a norm)."""
     n, k = weight.shape
     if weight.stride(-1) != 1:
         raise ValueError("skinny_linear needs the weight's rows contiguous")
-    rows = x.reshape(-1, k)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = _rows(x, k)
     m = rows.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return out.view(*x.shape[:-1], n)
-    bias = bias.contiguous() if bias is not None else None
-    block_n, block_k, num_warps, num_stages, use_dot = config or _config(m, n, k)
-    block_m = 16 if use_dot else triton.next_power_of_2(m)
-    _skinny_matmul_kernel[(triton.cdiv(n, block_n),)](
-        rows, weight, bias if bias is not None else weight, out, m, n, k, rows.stride(0), weight.stride(0),
-        out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0, USE_DOT=use_dot, num_warps=num_warps, num_stages=num_stages)
-    return out.view(*x.shape[:-1], n)
+    residual, norm_weight, eps = norm if norm is not None else (None, None, 0.0)
+    residual_rows = _rows(residual, k) if residual is not None else None
+    total = torch.empty_like(rows) if residual_rows is not None else rows
+    if m and n:
+        bias = bias.contiguous() if bias is not None else None
+        block_n, block_k, num_warps, num_stages, use_dot = config or _config(m, n, k)
+        spare = weight  # any pointer for the operands this launch does not read
+        _skinny_matmul_kernel[(triton.cdiv(n, block_n),)](
+            rows, weight, bias if bias is not None else spare, out,
+            residual_rows if residual_rows is not None else spare,
+            norm_weight if norm_weight is not None else spare, total, eps, m, n, k,
+            rows.stride(0), weight.stride(0), out.stride(0),
+            residual_rows.stride(0) if residual_rows is not None else 0, total.stride(0),
+            HAS_BIAS=bias is not None, NORM=0 if norm is None else 1 if residual is None else 2,
+            BLOCK_M=16 if use_dot else triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
+            EVEN_K=k % block_k == 0, USE_DOT=use_dot, num_warps=num_warps, num_stages=num_stages)
+    return out.view(*x.shape[:-1], n), total.view(x.shape) if total is not rows else x
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through skinny_linear where use_skinny holds (linear.KERNELS["linear"] on GPUs)."""
     return skinny_linear(x, weight, bias) if use_skinny(x, weight) else F.linear(x, weight, bias)
+
+
+def normed_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                  layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """linear.normed_linear, in one kernel (skinny_norm_linear) where use_skinny holds and the layer
+    is column-parallel (a plain product: no collective, no quantized weight); else as linear's."""
+    if (isinstance(layer, MergedColumnLinear) and use_skinny(x, layer.weight) and norm.weight.dtype == x.dtype
+            and norm.weight.is_contiguous()):
+        return skinny_norm_linear(x, residual, norm.weight, norm.eps, layer.weight, layer.bias)
+    return compose_normed_linear(x, residual, norm, layer)

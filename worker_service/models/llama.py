@@ -18,6 +18,7 @@ from worker_service.layers import (
     RowLinear,
     SiluAndMul,
     VocabEmbedding,
+    normed_linear,
 )
 from worker_service.model_config import ModelConfig
 
@@ -50,15 +51,18 @@ class Attention(nn.Module):
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.split_sizes, dim=-1)
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm(hidden + residual) through attention; returns it and the sum (the residual stream)."""
+        qkv, residual = normed_linear(hidden, residual, norm, self.qkv_proj)
+        q, k, v = qkv.split(self.qkv_proj.split_sizes, dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         q = self.backend.rope_and_store(q, k, v, positions, self.rotary_emb, self.q_norm, self.k_norm,
                                         self.k_cache, self.v_cache, metadata, self.k_scale, self.v_scale)
         out = self.backend.attend(q, self.k_cache, self.v_cache, metadata, self.scale, self.k_scale, self.v_scale)
-        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim)), residual
 
 
 class MLP(nn.Module):
@@ -71,13 +75,16 @@ class MLP(nn.Module):
         self.act = SiluAndMul()
         self.down_proj = RowLinear(size, config.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm(x + residual) through the MLP; returns it and the sum (the residual stream)."""
+        gate_up, residual = normed_linear(x, residual, norm, self.gate_up_proj)
+        return self.down_proj(self.act(gate_up)), residual
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm block. The residual stream is passed alongside the hidden state so that each
-    residual add is fused into the following RMSNorm."""
+    residual add is fused into the following RMSNorm, and each norm into the projection after it
+    where a kernel does both (linear.normed_linear)."""
 
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
         super().__init__()
@@ -88,13 +95,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden, residual = self.self_attn(positions, hidden, residual, self.input_layernorm, metadata)
+        return self.mlp(hidden, residual, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):
