@@ -41,16 +41,28 @@ def enable() -> None:
     # each model's constants): raise dynamo's default limit of 8 so that none falls back to eager.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compile_ = lambda fn: torch.compile(fn, dynamic=True, fullgraph=True)  # noqa: E731
-    rotary.KERNELS["rotary"] = compile_(rotary.apply_rotary)
     from worker_service.layers import triton_activation, triton_norm, triton_skinny_matmul  # GPUs only
 
-    norm.KERNELS["rms_norm"] = _by_dtype(triton_norm.rms_norm, compile_(norm.rms_norm))
-    norm.KERNELS["add_rms_norm"] = _by_dtype(triton_norm.add_rms_norm, compile_(norm.add_rms_norm))
-    activation.KERNELS["silu_and_mul"] = triton_activation.silu_and_mul
+    rotary.KERNELS["rotary"] = _on_gpus(compile_(rotary.apply_rotary), rotary.apply_rotary)
+    norm.KERNELS["rms_norm"] = _on_gpus(_by_dtype(triton_norm.rms_norm, compile_(norm.rms_norm)), norm.rms_norm)
+    norm.KERNELS["add_rms_norm"] = _on_gpus(_by_dtype(triton_norm.add_rms_norm, compile_(norm.add_rms_norm)),
+                                            norm.add_rms_norm)
+    activation.KERNELS["silu_and_mul"] = _on_gpus(triton_activation.silu_and_mul, activation.silu_and_mul)
+    # These two send CPU tensors to the reference themselves (use_skinny).
     linear.KERNELS["linear"] = triton_skinny_matmul.linear
     linear.KERNELS["normed_linear"] = triton_skinny_matmul.normed_linear
     _enabled = True
     logger.info("fused elementwise kernels enabled (Triton, torch.compile)")
+
+
+def _on_gpus(gpu: Callable, reference: Callable) -> Callable:
+    """gpu for CUDA tensors, the eager reference for others: the tables are process-wide, and a CPU
+    model may run in a process whose GPU worker enabled them (a notebook, a test session)."""
+
+    def kernel(x: torch.Tensor, *args: object) -> object:
+        return gpu(x, *args) if x.is_cuda else reference(x, *args)
+
+    return kernel
 
 
 def _by_dtype(half: Callable, full: Callable) -> Callable:
