@@ -87,15 +87,18 @@ def variants() -> list[Variant]:
                 options=dict(num_warps=1)),
     ]
     # Qwen3-0.6B's decode projections (gate_up, down with K past its block, qkv with a bias) at 1, 4 and
-    # 16 rows: the CUDA-core kernel (one row) and the tensor-core one (4 and 16 rows, both tiles).
-    for rows, n, k, bias in ((1, 6144, 1024, False), (1, 1024, 3072, False), (4, 4096, 1024, True),
-                             (16, 1024, 2048, False)):
+    # 16 rows: the CUDA-core kernel (one row) and the tensor-core one (4 and 16 rows, both tiles); with
+    # the norm in the prologue (1: without a residual, 2: with one) as qkv_proj and gate_up_proj run.
+    for rows, n, k, bias, norm in ((1, 6144, 1024, False, 0), (1, 1024, 3072, False, 0), (4, 4096, 1024, True, 0),
+                                   (16, 1024, 2048, False, 0), (1, 6144, 1024, False, 2), (1, 4096, 1024, True, 1),
+                                   (4, 6144, 1024, False, 2)):
         config = _config(rows, n, k)
         result.append(Variant(
-            f"skinny matmul rows={rows} n={n} k={k}", _skinny_matmul_kernel,
-            dict(HAS_BIAS=bias, BLOCK_M=16 if config.use_dot else rows, BLOCK_N=config.block_n,
-                 BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, USE_DOT=config.use_dot),
-            options=dict(num_warps=config.num_warps, num_stages=config.num_stages)))
+            f"skinny matmul rows={rows} n={n} k={k} norm={norm}", _skinny_matmul_kernel,
+            dict(HAS_BIAS=bias, NORM=norm, BLOCK_M=16 if config.use_dot else rows, BLOCK_N=config.block_n,
+                 BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, USE_DOT=config.use_dot,
+                 ONE_PASS=not config.use_dot and k <= config.block_k),
+            floats=("eps",), options=dict(num_warps=config.num_warps, num_stages=config.num_stages)))
     for has_norm, fp8 in ((True, False), (False, False), (True, True)):
         result.append(Variant(
             f"rope+store norms={has_norm} fp8={fp8}", _rope_store_kernel,

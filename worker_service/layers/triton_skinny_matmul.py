@@ -49,43 +49,47 @@ class SkinnyConfig(NamedTuple):
 
 
 @triton.jit
-def _input_tile(x_ptr, residual_ptr, norm_w_ptr, rows, ks, mask, rstd, stride_x_row, stride_residual_row,
-                ADD_RESIDUAL: tl.constexpr, NORMALIZE: tl.constexpr):
-    """Rows of x at columns ks (rows and rstd: a column [BLOCK_M, 1] or a scalar), in x's dtype: x,
-    or x + residual, then with NORMALIZE times rstd (each row's 1 / rms) and the norm's weight,
-    rounded at each step as the eager norm (norm.add_rms_norm) rounds."""
+def _load_rows(x_ptr, residual_ptr, rows, ks, mask, stride_x_row, stride_residual_row, ADD_RESIDUAL: tl.constexpr):
+    """x at (rows, ks), or x + residual rounded to x's dtype (as the eager norm.add_rms_norm adds)."""
     x = tl.load(x_ptr + rows * stride_x_row + ks, mask=mask, other=0.0)
     if ADD_RESIDUAL:
         residual = tl.load(residual_ptr + rows * stride_residual_row + ks, mask=mask, other=0.0)
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
-    if NORMALIZE:
-        normed = (x.to(tl.float32) * rstd).to(x.dtype)
-        norm_w = tl.load(norm_w_ptr + ks, mask=mask, other=0.0)
-        x = (norm_w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
     return x
+
+
+@triton.jit
+def _normalize(x, rstd, norm_w_ptr, ks, mask):
+    """x times rstd (each row's 1 / rms) and the norm's weight, rounded as the eager norm rounds."""
+    normed = (x.to(tl.float32) * rstd).to(x.dtype)
+    norm_w = tl.load(norm_w_ptr + ks, mask=mask, other=0.0)
+    return (norm_w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
 
 
 @triton.jit
 def _skinny_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, residual_ptr, norm_w_ptr, sum_ptr, eps, M, N, K,
                           stride_x_row, stride_w_row, stride_out_row, stride_residual_row, stride_sum_row,
                           HAS_BIAS: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr):
+                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
+                          ONE_PASS: tl.constexpr):
     columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
     # The last program's rows past N re-read row N - 1 (unmasked loads); their results are not stored.
     w_rows = tl.minimum(columns, N - 1).to(tl.int64)
     rows = tl.arange(0, BLOCK_M)  # rows of x
     offsets = tl.arange(0, BLOCK_K)
+    first = tl.program_id(0) == 0
+    # With a norm every program normalises the rows itself (a few KB from L2), and the first one
+    # writes x + residual, the residual stream the next layer adds back. ONE_PASS (the CUDA-core path
+    # with all of K in one tile: Qwen3-0.6B's and -8B's norms) takes each row's rms from the tile it
+    # multiplies, after issuing the weight's loads; otherwise a first pass over the rows takes it.
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if NORM != 0:
-        # Every program normalises the rows itself (a few KB from L2); the first one also writes
-        # x + residual, the residual stream the next layer adds back.
+    if NORM != 0 and not ONE_PASS:
         for k in range(0, K, BLOCK_K):
             mask = (rows[:, None] < M) & ((k + offsets)[None, :] < K)
-            x = _input_tile(x_ptr, residual_ptr, norm_w_ptr, rows[:, None], (k + offsets)[None, :], mask, 0.0,
-                            stride_x_row, stride_residual_row, NORM == 2, False)
+            x = _load_rows(x_ptr, residual_ptr, rows[:, None], (k + offsets)[None, :], mask, stride_x_row,
+                           stride_residual_row, NORM == 2)
             if NORM == 2:
-                tl.store(sum_ptr + rows[:, None] * stride_sum_row + (k + offsets)[None, :], x,
-                         mask=mask & (tl.program_id(0) == 0))
+                tl.store(sum_ptr + rows[:, None] * stride_sum_row + (k + offsets)[None, :], x, mask=mask & first)
             rstd += tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1)
         rstd = tl.math.rsqrt(rstd / K + eps)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # acc[n, m] = y[m, n]
@@ -96,18 +100,28 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, residual_ptr, norm_w_
         else:
             w = tl.load(w_ptrs, mask=(k + offsets)[None, :] < K, other=0.0)
         if USE_DOT:
-            x_mask = (rows[:, None] < M) & ((k + offsets)[None, :] < K)
-            x = _input_tile(x_ptr, residual_ptr, norm_w_ptr, rows[:, None], (k + offsets)[None, :], x_mask,
-                            rstd[:, None], stride_x_row, stride_residual_row, NORM == 2, NORM != 0)
+            ks = (k + offsets)[None, :]
+            x_mask = (rows[:, None] < M) & (ks < K)
+            x = _load_rows(x_ptr, residual_ptr, rows[:, None], ks, x_mask, stride_x_row, stride_residual_row,
+                           NORM == 2)
+            if NORM != 0:
+                x = _normalize(x, rstd[:, None], norm_w_ptr, ks, x_mask)
             acc = tl.dot(w, tl.trans(x), acc)
         else:
             w = w.to(tl.float32)
             for m in tl.static_range(BLOCK_M):
                 x_mask = (m < M) & (k + offsets < K)
-                row_rstd = tl.sum(tl.where(rows == m, rstd, 0.0))
-                x = _input_tile(x_ptr, residual_ptr, norm_w_ptr, m, k + offsets, x_mask, row_rstd, stride_x_row,
-                                stride_residual_row, NORM == 2, NORM != 0).to(tl.float32)
-                partial = tl.sum(w * x[None, :], axis=1)
+                x = _load_rows(x_ptr, residual_ptr, m, k + offsets, x_mask, stride_x_row, stride_residual_row,
+                               NORM == 2)
+                if NORM != 0:
+                    if ONE_PASS:
+                        if NORM == 2:
+                            tl.store(sum_ptr + m * stride_sum_row + k + offsets, x, mask=x_mask & first)
+                        row_rstd = tl.math.rsqrt(tl.sum(x.to(tl.float32) * x.to(tl.float32)) / K + eps)
+                    else:
+                        row_rstd = tl.sum(tl.where(rows == m, rstd, 0.0))
+                    x = _normalize(x, row_rstd, norm_w_ptr, k + offsets, x_mask)
+                partial = tl.sum(w * x.to(tl.float32)[None, :], axis=1)
                 acc = tl.where(rows[None, :] == m, acc + partial[:, None], acc)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + w_rows).to(tl.float32)[:, None]
@@ -196,7 +210,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
             residual_rows.stride(0) if residual_rows is not None else 0, total.stride(0),
             HAS_BIAS=bias is not None, NORM=0 if norm is None else 1 if residual is None else 2,
             BLOCK_M=16 if use_dot else triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-            EVEN_K=k % block_k == 0, USE_DOT=use_dot, num_warps=num_warps, num_stages=num_stages)
+            EVEN_K=k % block_k == 0, USE_DOT=use_dot, ONE_PASS=not use_dot and k <= block_k,
+            num_warps=num_warps, num_stages=num_stages)
     return out.view(*x.shape[:-1], n), total.view(x.shape) if total is not rows else x
 
 
