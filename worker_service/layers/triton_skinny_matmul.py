@@ -14,6 +14,10 @@ x), or, for more rows, with tl.dot on x padded to 16 rows (USE_DOT); the bias is
 and the result is rounded once to x's dtype. The block sizes come from `_config`, a fixed function of
 the shape, not from autotuning: CUDA graphs are captured after one eager warm-up, and nothing may be
 benchmarked or synchronised then.
+
+skinny_norm_linear also does the RMSNorm before the product (with its residual add) in the same
+kernel: a decode step's norms were launch-bound kernels of their own (56 of ~1.7 us per token of
+Qwen3-0.6B on an H200); `normed_linear` is what the model layers call through linear.KERNELS.
 """
 from __future__ import annotations
 
@@ -72,6 +76,7 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, residual_ptr, norm_w_
                           HAS_BIAS: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
                           ONE_PASS: tl.constexpr):
+    # NORM: 0 the product of x, 1 of rms_norm(x), 2 of rms_norm(x + residual) (x + residual -> sum_ptr).
     columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
     # The last program's rows past N re-read row N - 1 (unmasked loads); their results are not stored.
     w_rows = tl.minimum(columns, N - 1).to(tl.int64)
