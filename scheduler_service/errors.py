@@ -1,5 +1,13 @@
-"""Errors the engine raises; the public server's interceptor maps each to one gRPC status code."""
+"""Errors the engine raises, and STATUSES: the gRPC status code of each (common.error_mapping's
+interceptor aborts the call with it and the error's message)."""
 from __future__ import annotations
+
+import grpc
+
+from common.error_mapping import OverloadError, StatusMapper
+
+__all__ = ["STATUSES", "EngineUnavailableError", "OverloadError", "QueueFullError", "RequestError",
+           "WorkerLostError", "WorkerStepError"]
 
 
 class RequestError(ValueError):
@@ -9,10 +17,6 @@ class RequestError(ValueError):
 
 class QueueFullError(RuntimeError):
     """Too many requests are queued (RESOURCE_EXHAUSTED)."""
-
-
-class OverloadError(RuntimeError):
-    """More calls at once than the public server admits (RESOURCE_EXHAUSTED)."""
 
 
 class EngineUnavailableError(RuntimeError):
@@ -26,3 +30,11 @@ class WorkerLostError(EngineUnavailableError):
 class WorkerStepError(RuntimeError):
     """The worker reported a protocol error for the request's step (INTERNAL, logged once by the
     engine, not once per request)."""
+
+
+# OverloadError -> RESOURCE_EXHAUSTED and ValueError (RequestError, SamplingParams' checks: "field:
+# message") -> INVALID_ARGUMENT come with every table.
+STATUSES = StatusMapper([(QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+                         (EngineUnavailableError, grpc.StatusCode.UNAVAILABLE),
+                         (WorkerStepError, grpc.StatusCode.INTERNAL)],  # logged once by the engine
+                        "internal error ({name}); see the server log")

@@ -2,7 +2,7 @@
 
 The servicer is thin: it converts a request (request_conversion), makes one engine call and
 converts the outputs back (response_conversion); exceptions become status codes in one place
-(error_interceptor).
+(common.error_mapping, with errors.STATUSES).
 """
 from __future__ import annotations
 
@@ -19,14 +19,14 @@ from grpc_reflection.v1alpha import reflection
 
 from common import grpc_options
 from common.config import PublicServerConfig, WorkerInfo
+from common.error_mapping import ErrorMappingInterceptor
 from common.generated.nanovllm.generate.v1 import generate_pb2, generate_pb2_grpc
 from common.ports import PortInUseError, check_port_free, grpc_address
 from common.sampling_params import SamplingParams
 from scheduler_service import request_conversion as convert
 from scheduler_service.api_keys import ApiKeyInterceptor, ApiKeys
 from scheduler_service.async_engine import LoadReport, RequestOutput
-from scheduler_service.error_interceptor import ErrorMappingInterceptor
-from scheduler_service.errors import EngineUnavailableError, RequestError
+from scheduler_service.errors import STATUSES, EngineUnavailableError, RequestError
 from scheduler_service.metrics import ServiceMetrics
 from scheduler_service.public_tls import ReloadingCertificates
 from scheduler_service.reflection_pool import public_descriptor_pool
@@ -247,7 +247,7 @@ def build_public_server(engine: Engine, host: str, port: int, *,
     (grpc.aio binds the server to that loop).
     """
     config = config or PublicServerConfig()
-    interceptors: list[grpc.aio.ServerInterceptor] = [ErrorMappingInterceptor(config.max_concurrent_calls)]
+    interceptors: list[grpc.aio.ServerInterceptor] = [ErrorMappingInterceptor(STATUSES, config.max_concurrent_calls)]
     if api_keys is not None:
         interceptors.insert(0, ApiKeyInterceptor(api_keys))  # first: refuse before anything is parsed
     server = grpc.aio.server(interceptors=interceptors, options=server_options(max_message_bytes))

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 
 from scheduler_service.async_engine import RequestOutput
-from scheduler_service.error_interceptor import status_for
+from scheduler_service.errors import STATUSES
 from scheduler_service.metrics import ServiceMetrics
 
 logger = logging.getLogger("nanovllm.requests")
@@ -108,7 +108,7 @@ class RequestRecord:
             code = self.context.code()
             return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
         if isinstance(exc, Exception):
-            return status_for(exc)[0].name
+            return STATUSES.status_for(exc)[0].name
         return "CANCELLED"
 
     def _record(self, code: str | None, finish_reason: str | None, e2e: float) -> None:

@@ -149,6 +149,22 @@ def test_a_wrong_step_id_does_not_reveal_the_next_one(worker) -> None:
         assert details == "step_id: 1 was already used"  # says nothing of 3
 
 
+def test_a_body_that_does_not_parse_is_invalid_argument_and_harms_nothing(worker) -> None:
+    """An authenticated caller's garbage Step: INVALID_ARGUMENT naming the request (not grpcio's
+    UNKNOWN), and the session goes on."""
+    port, _ = worker
+    metadata = secret_metadata(WORKER_SECRET)
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        stub.InitCache(worker_pb2.InitCacheRequest(num_kv_blocks=4, session_id="owner"), metadata=metadata, timeout=60)
+        raw_step = channel.unary_unary("/nanovllm.worker.v1.Worker/Step", request_serializer=None,
+                                       response_deserializer=None)
+        code, details = call_code(raw_step, b"\xff\xff\xff not protobuf", metadata=metadata)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert details.startswith("request: not a valid protobuf message")
+        stub.Step(worker_pb2.StepRequest(step_id=1, session_id="owner"), metadata=metadata, timeout=60)
+
+
 def test_takeover_moves_the_worker_and_the_old_scheduler_gives_up(model, worker, undisturbed) -> None:
     port, _ = worker
     first = InProcessScheduler(model, port, SchedulerConfig(worker_timeout_s=2)).start()

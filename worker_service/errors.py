@@ -1,5 +1,10 @@
-"""Errors the worker raises; worker_service/interceptors.py maps each to one status code."""
+"""Errors the worker raises, and STATUSES: the gRPC status code of each (common.error_mapping's
+interceptor aborts the call with it and the error's message)."""
 from __future__ import annotations
+
+import grpc
+
+from common.error_mapping import StatusMapper
 
 
 class SessionLostError(RuntimeError):
@@ -13,3 +18,10 @@ class ClaimRefusedError(RuntimeError):
 
 class StepOrderError(ValueError):
     """A step id out of order: already used by this session, or skipping one (FAILED_PRECONDITION)."""
+
+
+# A malformed step or claim raises ValueError ("field: message"): INVALID_ARGUMENT with every table.
+STATUSES = StatusMapper([(SessionLostError, grpc.StatusCode.ABORTED),
+                         (ClaimRefusedError, grpc.StatusCode.FAILED_PRECONDITION),
+                         (StepOrderError, grpc.StatusCode.FAILED_PRECONDITION)],
+                        "worker: internal error ({name}); see the worker log")

@@ -1,5 +1,5 @@
 """The worker's gRPC server: a thin servicer over WorkerCore, plus grpc.health.v1, behind the
-shared-secret and error interceptors (worker_service/interceptors.py).
+shared-secret interceptor (worker_service/interceptors.py) and the error mapping (common.error_mapping).
 
 Steps may arrive out of order (the scheduler sends step N+1 before step N returns, and separate
 calls on one channel are not ordered), so each Step waits for its turn by step_id (the core checks
@@ -19,12 +19,13 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.config import WorkerLinkConfig
+from common.error_mapping import ErrorMappingInterceptor
 from common.generated.nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
 from common.grpc_options import server_options
 from common.ports import PortInUseError
 from common.tls import server_credentials
-from worker_service.errors import ClaimRefusedError, SessionLostError
-from worker_service.interceptors import ErrorInterceptor, SecretInterceptor
+from worker_service.errors import STATUSES, ClaimRefusedError, SessionLostError
+from worker_service.interceptors import SecretInterceptor
 from worker_service.tp_group import TensorParallelCore
 from worker_service.worker import WorkerCore
 
@@ -121,7 +122,7 @@ async def serve_worker(core: WorkerCore | TensorParallelCore, host: str, port: i
     address is taken (SO_REUSEPORT is off, so a second worker cannot share a port)."""
     credentials = server_credentials_for(link)
     server = grpc.aio.server(options=[*server_options(), ("grpc.so_reuseport", 0)],
-                             interceptors=[SecretInterceptor(link.secret), ErrorInterceptor()])
+                             interceptors=[SecretInterceptor(link.secret), ErrorMappingInterceptor(STATUSES)])
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(core), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
