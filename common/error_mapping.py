@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 StatusTable = Sequence[tuple[type[Exception], grpc.StatusCode]]
 MALFORMED_MESSAGE = ("request: not a valid protobuf message of this method's request type (or a string field is "
                      "not UTF-8)")
+# What a server interceptor's intercept_service gets to call for the method's own handler.
+Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
 # Load balancers' probes must answer while the server is full.
 UNLIMITED_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
 
@@ -116,11 +118,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         self.statuses = statuses
         self.limiter = CallLimiter(max_concurrent_calls)
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
+    async def intercept_service(self, continuation: Continuation,
+                                handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
         if handler is None:
             return None

@@ -10,11 +10,11 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 
+from common.error_mapping import Continuation
 from scheduler_service.reloading_files import ReloadingFiles
 
 logger = logging.getLogger(__name__)
@@ -112,11 +112,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, keys: ApiKeys) -> None:
         self.keys = keys
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
+    async def intercept_service(self, continuation: Continuation,
+                                handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(OPEN_METHOD_PREFIXES):
             return handler

@@ -7,15 +7,14 @@ servicer's exceptions (worker_service.errors.STATUSES).
 """
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 
+from common.error_mapping import Continuation
 from common.worker_link import is_authorized
 
 OPEN_METHOD_PREFIX = "/grpc.health.v1.Health/"
-Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
 
 
 async def _refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
