@@ -51,14 +51,16 @@ latency_stage() {  # one stream in-process (with profiles), then through gRPC at
   timeout 300 python3 bench/single_stream.py 2>&1 | grep -v Warn | tee "$OUT/single-stream.log" | tail -80
   start_services
   for steps in 4 8; do
+    if [ $steps = 8 ]; then  # a new scheduler on the same worker (it takes the worker over)
+      kill $scheduler; wait $scheduler
+      python3 -m common.cli --log-level WARNING scheduler --worker 127.0.0.1:$wport --port $port \
+        --metrics-port $mport --worker-takeover --num-decode-steps 8 >"$OUT/serving-scheduler-8.log" 2>&1 &
+      scheduler=$!
+    fi
     timeout 200 python3 bench/serving.py --target 127.0.0.1:$port --request-rates "" --num-warmup 4 \
       --json-out "$OUT/latency-grpc-steps$steps.json" 2>&1 | tee "$OUT/latency-grpc-steps$steps.log" | tail -6
     python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$mport/metrics').read().decode())" \
       >"$OUT/latency-metrics-steps$steps.txt"
-    kill $scheduler; wait $scheduler
-    python3 -m common.cli --log-level WARNING scheduler --worker 127.0.0.1:$wport --port $port --metrics-port $mport \
-      --worker-takeover --num-decode-steps 8 >"$OUT/serving-scheduler-8.log" 2>&1 &
-    scheduler=$!
   done
   kill $scheduler $worker; wait $scheduler $worker
 }

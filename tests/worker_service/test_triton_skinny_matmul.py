@@ -122,12 +122,18 @@ def test_norm_in_the_prologue_matches_the_norm_then_the_product(m: int, n: int, 
 
 def test_normed_linear_composes_on_the_cpu_and_for_other_layers(monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU entry hands CPU tensors, and layers that are not column-parallel, to the norm and then
-    the layer: the same bits as the reference composition."""
+    the layer (the kernel is never called): the same bits as the reference composition."""
     monkeypatch.setitem(linear.KERNELS, "normed_linear", skinny.normed_linear)
+
+    def kernel(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the fused kernel got a call it must not take")
+
+    monkeypatch.setattr(skinny, "skinny_norm_linear", kernel)
     rms = norm.RMSNorm(64)
     rms.weight.data.normal_()
-    x, residual = torch.randn(2, 64), torch.randn(2, 64)
-    for layer in (linear.MergedColumnLinear(64, [16, 16]), linear.RowLinear(64, 32)):
+    x, residual = torch.randn(2, 64).bfloat16(), torch.randn(2, 64).bfloat16()  # 16-bit: only the device says no
+    rms = rms.bfloat16()
+    for layer in (linear.MergedColumnLinear(64, [16, 16]).bfloat16(), linear.RowLinear(64, 32).bfloat16()):
         layer.weight.data.normal_()
         expected = linear.compose_normed_linear(x, residual, rms, layer)
         got = linear.normed_linear(x, residual, rms, layer)

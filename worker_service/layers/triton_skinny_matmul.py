@@ -202,7 +202,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     residual, norm_weight, eps = norm if norm is not None else (None, None, 0.0)
     residual_rows = _rows(residual, k) if residual is not None else None
-    total = torch.empty_like(rows) if residual_rows is not None else rows
+    # x + residual, written by the kernel; without a residual the norm's input is x itself.
+    total = torch.empty_like(rows) if residual_rows is not None else None
     if m and n:
         bias = bias.contiguous() if bias is not None else None
         block_n, block_k, num_warps, num_stages, use_dot = config or _config(m, n, k)
@@ -210,14 +211,16 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
         _skinny_matmul_kernel[(triton.cdiv(n, block_n),)](
             rows, weight, bias if bias is not None else spare, out,
             residual_rows if residual_rows is not None else spare,
-            norm_weight if norm_weight is not None else spare, total, eps, m, n, k,
+            norm_weight if norm_weight is not None else spare, total if total is not None else spare, eps,
+            m, n, k,
             rows.stride(0), weight.stride(0), out.stride(0),
-            residual_rows.stride(0) if residual_rows is not None else 0, total.stride(0),
+            residual_rows.stride(0) if residual_rows is not None else 0,
+            total.stride(0) if total is not None else 0,
             HAS_BIAS=bias is not None, NORM=0 if norm is None else 1 if residual is None else 2,
             BLOCK_M=16 if use_dot else triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
             EVEN_K=k % block_k == 0, USE_DOT=use_dot, ONE_PASS=not use_dot and k <= block_k,
             num_warps=num_warps, num_stages=num_stages)
-    return out.view(*x.shape[:-1], n), total.view(x.shape) if total is not rows else x
+    return out.view(*x.shape[:-1], n), total.view(x.shape) if total is not None else x
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
