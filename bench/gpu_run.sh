@@ -15,7 +15,7 @@
 #               concurrent streams of 1024+256 tokens; JSON and the scheduler's /metrics in $OUT
 #               (plot afterwards where matplotlib is: python bench/serving.py --from-json F --plot F.png)
 #   latency     bench/single_stream.py (one stream in-process, profiled), then single-stream points through gRPC
-#               (4 then 8 decode iterations a step; the scheduler's /metrics after each)
+#               (the default flags, then --decode-step-ms 0: a fixed 4 iterations a step; /metrics after each)
 # Logs go to $OUT (or ./out). Expects a CUDA machine with torch, triton, transformers; carried
 # wheels in .whl (grpcio 1.85, health checking, reflection) are installed first if present.
 set -uo pipefail
@@ -47,20 +47,20 @@ serving_stage() {
     >"$OUT/serving-metrics.txt"
   kill $scheduler $worker; wait $scheduler $worker
 }
-latency_stage() {  # one stream in-process (with profiles), then through gRPC at 4 and 8 decode iterations a step
+latency_stage() {  # one stream in-process (with profiles), then through gRPC: default flags, then a fixed 4 iterations a step
   timeout 300 python3 bench/single_stream.py 2>&1 | grep -v Warn | tee "$OUT/single-stream.log" | tail -80
   start_services
-  for steps in 4 8; do
-    if [ $steps = 8 ]; then  # a new scheduler on the same worker (it takes the worker over)
+  for variant in default fixed4; do
+    if [ $variant = fixed4 ]; then  # a new scheduler on the same worker (it takes the worker over)
       kill $scheduler; wait $scheduler
       python3 -m common.cli --log-level WARNING scheduler --worker 127.0.0.1:$wport --port $port \
-        --metrics-port $mport --worker-takeover --num-decode-steps 8 >"$OUT/serving-scheduler-8.log" 2>&1 &
+        --metrics-port $mport --worker-takeover --decode-step-ms 0 >"$OUT/serving-scheduler-fixed4.log" 2>&1 &
       scheduler=$!
     fi
     timeout 200 python3 bench/serving.py --target 127.0.0.1:$port --request-rates "" --num-warmup 4 \
-      --json-out "$OUT/latency-grpc-steps$steps.json" 2>&1 | tee "$OUT/latency-grpc-steps$steps.log" | tail -6
+      --json-out "$OUT/latency-grpc-$variant.json" 2>&1 | tee "$OUT/latency-grpc-$variant.log" | tail -6
     python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$mport/metrics').read().decode())" \
-      >"$OUT/latency-metrics-steps$steps.txt"
+      >"$OUT/latency-metrics-$variant.txt"
   done
   kill $scheduler $worker; wait $scheduler $worker
 }

@@ -5,6 +5,8 @@ from dataclasses import dataclass, field, fields
 
 from common.config_flags import option
 
+MAX_DECODE_STEPS = 64  # decode iterations in one step, whatever sets them
+
 
 def _require(condition: bool, name: str, message: str) -> None:
     if not condition:
@@ -34,8 +36,13 @@ class SchedulerConfig:
     enable_prefix_caching: bool = option(True, "the prefix cache", flag="prefix-caching")
     max_queue_size: int = option(4096, "unfinished requests per worker; beyond: RESOURCE_EXHAUSTED", min=1)
     # The per-step host work (scheduling, the Step message, input building) is paid once per this many tokens.
-    num_decode_steps: int = option(4, "decode iterations per step when only decodes run (tokens per stream "
-                                   "message)", min=1, max=64)
+    num_decode_steps: int = option(4, "decode iterations per step when only decodes run, at least (tokens per "
+                                   "stream message)", min=1, max=MAX_DECODE_STEPS)
+    # A short iteration (a small batch on a GPU) leaves the host's turn between steps exposed; a
+    # longer step hides it, and admission of new requests still waits at most this long.
+    decode_step_ms: float = option(8.0, "a step of decodes runs more iterations than --num-decode-steps while they "
+                                   "fit in this many milliseconds, at the last measured time per iteration (0: "
+                                   "exactly --num-decode-steps)", min=0.0, max=1000.0)
     worker_timeout_s: float = option(60.0, "seconds a lost worker's requests wait for it to answer again "
                                      "(then UNAVAILABLE)", flag="worker-timeout")
     # Generous: a slow CPU worker must never hit it.

@@ -48,6 +48,8 @@ class InFlightStep:
     scheduled: dict[int, tuple[Sequence, int]]
     # Tokens the worker computes for it (prefill chunks and decode iterations): sizes its deadline.
     num_tokens: int = 0
+    # Its decode iterations when it runs decodes alone (0 when it prefills): its period is timed.
+    num_decode_iterations: int = 0
 
 logger = logging.getLogger(__name__)
 _SEQ_ID_OF = attrgetter("seq_id")
@@ -151,11 +153,19 @@ class EngineCore:
         request = build_step_request(step_id, output)
         scheduled = {}
         num_tokens = 0  # decode iterations included
+        decodes_only = True
         for item in output.scheduled:
             seq = item.seq
             scheduled[seq.seq_id] = (seq, seq.num_preemptions)
             num_tokens += item.num_tokens
-        return InFlightStep(step_id, request, scheduled, num_tokens)
+            decodes_only = decodes_only and item.num_tokens == item.num_samples
+        num_decode_iterations = output.num_decode_steps if decodes_only and output.scheduled else 0
+        return InFlightStep(step_id, request, scheduled, num_tokens, num_decode_iterations)
+
+    def observe_period(self, step: InFlightStep, period_s: float) -> None:
+        """step's result came period_s after the previous one's, with no idle gap between them."""
+        if step.num_decode_iterations:
+            self.scheduler.observe_decode_period(step.num_decode_iterations, period_s)
 
     def process_step(self, step: InFlightStep, response: worker_pb2.StepResponse) -> list[TokenUpdate]:
         """Appends the step's tokens to their sequences and checks stop conditions: one update per
@@ -264,7 +274,10 @@ async def drive(core: EngineCore,
                 raise
             updates = core.process_step(done, response)
             now = time.perf_counter()
-            on_step(done, updates, None if last_result is None else now - last_result)
+            period_s = None if last_result is None else now - last_result
+            if period_s is not None:
+                core.observe_period(done, period_s)
+            on_step(done, updates, period_s)
             last_result = now if launched is not None else None
         elif launched is None:
             raise RuntimeError("requests are waiting but none can be scheduled")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from common.config import SchedulerConfig
+from common.config import MAX_DECODE_STEPS, SchedulerConfig
 from scheduler_service.block_manager import BlockManager
 from scheduler_service.sequence import FinishReason, ScheduledSequence, Sequence, SequenceStatus
 
@@ -39,6 +39,7 @@ class Scheduler:
         # Sequences the worker holds but must forget at the next step.
         self._to_release: list[int] = []
         self.num_preemptions = 0  # counter, for tests and metrics
+        self._iteration_s = 0.0  # the last measured wall time of one decode iteration (0: none yet)
 
     @property
     def has_unfinished(self) -> bool:
@@ -69,20 +70,36 @@ class Scheduler:
         output.released_seq_ids = self.take_released_seq_ids()
         return output
 
+    def observe_decode_period(self, num_iterations: int, period_s: float) -> None:
+        """The wall time of a step of num_iterations decode iterations alone, from the previous step's
+        result to its own (steps following without a gap): the time per iteration that sizes the
+        next steps of decodes."""
+        self._iteration_s = period_s / num_iterations
+
     def _num_decode_steps(self) -> int:
         """Several decode iterations per step amortise the per-step host work over more tokens. Only
         when nothing waits for admission, every running sequence is decoding, and none needs its
         tokens on the host between iterations (penalties); never past max_model_len."""
-        steps = self.config.num_decode_steps
-        if steps == 1 or not self.running or (self.waiting and len(self.running) < self.config.max_num_seqs):
+        rows = len(self.running)
+        if not rows or (self.waiting and rows < self.config.max_num_seqs):
             return 1
-        if len(self.running) * steps > self.config.max_num_batched_tokens:
+        if rows * self.config.num_decode_steps > self.config.max_num_batched_tokens:
             return 1
+        steps = min(self._decode_steps_in_time(), self.config.max_num_batched_tokens // rows)
         for seq in self.running:
             if seq.num_uncomputed_tokens != 1 or seq.sampling_params.needs_token_history:
                 return 1
             steps = min(steps, self.max_model_len - seq.num_computed_tokens)
         return max(steps, 1)
+
+    def _decode_steps_in_time(self) -> int:
+        """num_decode_steps, or more while they fit in decode_step_ms at the last measured time per
+        iteration (none measured yet: num_decode_steps)."""
+        steps = self.config.num_decode_steps
+        if self.config.decode_step_ms and self._iteration_s:
+            in_time = int(self.config.decode_step_ms / 1e3 / self._iteration_s)
+            steps = max(steps, min(in_time, MAX_DECODE_STEPS))
+        return steps
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         index = 0

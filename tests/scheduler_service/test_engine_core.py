@@ -1,11 +1,18 @@
 """EngineCore.process_step on replies of several decode iterations: one update per sequence, tokens
-after the one that ends a sequence dropped, a sequence's tokens joined when a reply splits them."""
+after the one that ends a sequence dropped, a sequence's tokens joined when a reply splits them; steps
+of decodes alone timed, and their time per iteration sizing the next ones."""
 from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+
+import pytest
 
 from common.config import SchedulerConfig, WorkerInfo
 from common.generated.nanovllm.worker.v1 import worker_pb2
 from common.sampling_params import SamplingParams
-from scheduler_service.engine_core import EngineCore, InFlightStep
+from scheduler_service import engine_core
+from scheduler_service.engine_core import EngineCore, InFlightStep, drive
 from scheduler_service.sequence import FinishReason, Sequence
 
 INFO = WorkerInfo(model_name="fake", dtype="fake", block_size=16, max_model_len=256, vocab_size=100,
@@ -60,3 +67,44 @@ def test_a_sequences_tokens_split_over_a_reply_make_one_update() -> None:
                                                    (first.seq_id, 5), (first.seq_id, 6)]))
     assert [(u.seq, u.token_ids) for u in updates] == [(first, [2, 3, 5, 6]), (second, [4])]
     assert first.output_token_ids == [1, 2, 3, 5, 6]
+
+
+def test_decode_only_steps_are_timed_and_short_iterations_lengthen_the_next_steps() -> None:
+    core = EngineCore(SchedulerConfig(num_decode_steps=4, decode_step_ms=8.0), INFO, eos_token_ids=[99])
+    sequences, decode = decoding(core, SamplingParams(max_tokens=200), SamplingParams(max_tokens=200))
+    assert decode.num_decode_iterations == 4
+    core.observe_period(decode, 0.002)  # 4 iterations in 2 ms
+    assert core.build_step().request.num_decode_steps == 16
+
+
+def test_a_step_with_a_prefill_is_not_timed() -> None:
+    core = EngineCore(SchedulerConfig(num_decode_steps=4, decode_step_ms=8.0), INFO, eos_token_ids=[99])
+    core.add_request([5, 6, 7], SamplingParams(max_tokens=200))
+    prefill = core.build_step()
+    assert prefill.num_decode_iterations == 0
+    core.observe_period(prefill, 0.0001)
+    core.process_step(prefill, reply(prefill, [(seq_id, 1) for seq_id in prefill.scheduled]))
+    assert core.build_step().request.num_decode_steps == 4
+
+
+def test_drive_times_each_step_from_the_previous_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps whose replies come 0.5 ms per decode iteration apart (a fake clock): the first step of
+    decodes is sized before anything is measured, the second before its predecessor's reply (one
+    step of lookahead), the third after: 8 ms hold 16 iterations."""
+    clock = [0.0]
+    monkeypatch.setattr(engine_core.time, "perf_counter", lambda: clock[0])
+    core = EngineCore(SchedulerConfig(num_decode_steps=4, decode_step_ms=8.0), INFO, eos_token_ids=[99])
+    core.add_request([5, 6, 7], SamplingParams(max_tokens=60, ignore_eos=True))
+    sent: list[int] = []
+
+    async def answer(step: InFlightStep) -> worker_pb2.StepResponse:
+        iterations = max(step.request.num_decode_steps, 1)
+        clock[0] += iterations * 0.0005
+        return reply(step, [(seq_id, 1) for seq_id in step.scheduled for _ in range(iterations)])
+
+    def launch(step: InFlightStep, ahead: InFlightStep | None) -> Awaitable[worker_pb2.StepResponse]:
+        sent.append(step.request.num_decode_steps)
+        return answer(step)
+
+    asyncio.run(drive(core, launch, lambda step, updates, period_s: None))
+    assert sent[:4] == [1, 4, 4, 16]

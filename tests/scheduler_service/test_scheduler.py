@@ -1,7 +1,9 @@
 """Scheduler: admission limits, chunked prefill, decode, preemption order."""
 from __future__ import annotations
 
-from common.config import SchedulerConfig
+import pytest
+
+from common.config import MAX_DECODE_STEPS, SchedulerConfig
 from common.sampling_params import SamplingParams
 from scheduler_service.block_manager import BlockManager
 from scheduler_service.scheduler import Scheduler, SchedulerOutput
@@ -11,9 +13,11 @@ BLOCK = 16
 
 
 def make(num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_tokens: int = 1024,
-         max_model_len: int = 4096, prefix_caching: bool = True, num_decode_steps: int = 1) -> Scheduler:
+         max_model_len: int = 4096, prefix_caching: bool = True, num_decode_steps: int = 1,
+         decode_step_ms: float = 8.0) -> Scheduler:
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                             enable_prefix_caching=prefix_caching, num_decode_steps=num_decode_steps)
+                             enable_prefix_caching=prefix_caching, num_decode_steps=num_decode_steps,
+                             decode_step_ms=decode_step_ms)
     return Scheduler(config, BlockManager(num_blocks, BLOCK, prefix_caching), max_model_len)
 
 
@@ -174,6 +178,44 @@ def test_iterations_stop_at_max_model_len() -> None:
     output = scheduler.schedule()
     assert output.num_decode_steps == 3  # positions 17, 18, 19
     assert seq.num_computed_tokens == 20
+
+
+def decoding_scheduler(num_sequences: int, **config: int | float) -> Scheduler:
+    """A scheduler whose sequences are past their prefill, each decoding."""
+    scheduler = make(max_num_seqs=16, max_model_len=100_000, num_blocks=4096, **config)
+    for index in range(num_sequences):
+        add(scheduler, 10, first_token=100 * index, max_tokens=10_000)
+    complete(scheduler, scheduler.schedule())
+    return scheduler
+
+
+@pytest.mark.parametrize(("iteration_ms", "expected"),
+                         [(0.5, 16), (1.0, 8), (1.9, 4), (3.0, 4), (0.01, MAX_DECODE_STEPS)])
+def test_short_iterations_make_decode_steps_last_about_decode_step_ms(iteration_ms: float, expected: int) -> None:
+    scheduler = decoding_scheduler(2, num_decode_steps=4, decode_step_ms=8.0)
+    assert scheduler.schedule().num_decode_steps == 4  # nothing measured yet
+    scheduler.observe_decode_period(4, 4 * iteration_ms / 1e3)
+    assert scheduler.schedule().num_decode_steps == expected
+
+
+def test_decode_step_ms_zero_keeps_num_decode_steps() -> None:
+    scheduler = decoding_scheduler(2, num_decode_steps=4, decode_step_ms=0.0)
+    scheduler.observe_decode_period(4, 0.001)
+    assert scheduler.schedule().num_decode_steps == 4
+
+
+def test_lengthened_decode_steps_stay_within_the_token_budget() -> None:
+    scheduler = decoding_scheduler(3, num_decode_steps=2, max_num_batched_tokens=30)
+    scheduler.observe_decode_period(2, 0.0002)  # 0.1 ms an iteration: 80 would fit in 8 ms
+    output = scheduler.schedule()
+    assert output.num_decode_steps == 10 and sum(item.num_tokens for item in output.scheduled) == 30
+
+
+def test_a_waiting_sequence_still_forces_single_iterations_after_short_ones() -> None:
+    scheduler = decoding_scheduler(1, num_decode_steps=4)
+    scheduler.observe_decode_period(4, 0.001)
+    add(scheduler, 10, first_token=900)
+    assert scheduler.schedule().num_decode_steps == 1
 
 
 def test_penalties_force_single_iteration_steps() -> None:
