@@ -16,6 +16,7 @@
 #               (plot afterwards where matplotlib is: python bench/serving.py --from-json F --plot F.png)
 #   latency     bench/single_stream.py (one stream in-process, profiled), then single-stream points through gRPC
 #               (the default flags, then --decode-step-ms 0: a fixed 4 iterations a step; /metrics after each)
+#   load        bench/serving.py at Poisson rates 8 and 16 (reference workload), the same two schedulers
 # Logs go to $OUT (or ./out). Expects a CUDA machine with torch, triton, transformers; carried
 # wheels in .whl (grpcio 1.85, health checking, reflection) are installed first if present.
 set -uo pipefail
@@ -47,8 +48,8 @@ serving_stage() {
     >"$OUT/serving-metrics.txt"
   kill $scheduler $worker; wait $scheduler $worker
 }
-latency_stage() {  # one stream in-process (with profiles), then through gRPC: default flags, then a fixed 4 iterations a step
-  timeout 300 python3 bench/single_stream.py 2>&1 | grep -v Warn | tee "$OUT/single-stream.log" | tail -80
+step_length_ab() {  # name, bench/serving.py flags: the default scheduler, then one restarted with --decode-step-ms 0
+  local name=$1; shift
   start_services
   for variant in default fixed4; do
     if [ $variant = fixed4 ]; then  # a new scheduler on the same worker (it takes the worker over)
@@ -57,12 +58,16 @@ latency_stage() {  # one stream in-process (with profiles), then through gRPC: d
         --metrics-port $mport --worker-takeover --decode-step-ms 0 >"$OUT/serving-scheduler-fixed4.log" 2>&1 &
       scheduler=$!
     fi
-    timeout 200 python3 bench/serving.py --target 127.0.0.1:$port --request-rates "" --num-warmup 4 \
-      --json-out "$OUT/latency-grpc-$variant.json" 2>&1 | tee "$OUT/latency-grpc-$variant.log" | tail -6
+    timeout 240 python3 bench/serving.py --target 127.0.0.1:$port "$@" \
+      --json-out "$OUT/$name-grpc-$variant.json" 2>&1 | tee "$OUT/$name-grpc-$variant.log" | tail -6
     python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$mport/metrics').read().decode())" \
-      >"$OUT/latency-metrics-$variant.txt"
+      >"$OUT/$name-metrics-$variant.txt"
   done
   kill $scheduler $worker; wait $scheduler $worker
+}
+latency_stage() {  # one stream in-process (with profiles), then through gRPC
+  timeout 300 python3 bench/single_stream.py 2>&1 | grep -v Warn | tee "$OUT/single-stream.log" | tail -80
+  step_length_ab latency --request-rates "" --num-warmup 4
 }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown) $(date -u +%FT%TZ)" | tee -a "$OUT/gpu.txt"
@@ -95,6 +100,7 @@ for s in ${@:-tests attention throughput}; do
              2>&1 | tee "$OUT/hf.log" | tail -25 ;;
     serving) serving_stage ;;
     latency) latency_stage ;;
+    load) step_length_ab load --request-rates 8,16 --single-stream-prompt-lens "" ;;
     *) echo "unknown stage $s" ;;
   esac
 done
