@@ -38,11 +38,11 @@ class SchedulerConfig:
     # The per-step host work (scheduling, the Step message, input building) is paid once per this many tokens.
     num_decode_steps: int = option(4, "decode iterations per step when only decodes run, at least (tokens per "
                                    "stream message)", min=1, max=MAX_DECODE_STEPS)
-    # A short iteration (a small batch on a GPU) leaves the host's turn between steps exposed; a
-    # longer step hides it, and admission of new requests still waits at most this long.
-    decode_step_ms: float = option(8.0, "a step of decodes runs more iterations than --num-decode-steps while they "
-                                   "fit in this many milliseconds, at the last measured time per iteration (0: "
-                                   "exactly --num-decode-steps)", min=0.0, max=1000.0)
+    # A lone stream's short iterations (~1 ms on a GPU) leave the host's turn between steps exposed;
+    # a longer step hides it, and a request arriving meanwhile waits at most about this long.
+    decode_step_ms: float = option(8.0, "a lone sequence's step of decodes runs more iterations than "
+                                   "--num-decode-steps while they fit in this many milliseconds, at the last measured "
+                                   "time per iteration (0: exactly --num-decode-steps)", min=0.0, max=1000.0)
     worker_timeout_s: float = option(60.0, "seconds a lost worker's requests wait for it to answer again "
                                      "(then UNAVAILABLE)", flag="worker-timeout")
     # Generous: a slow CPU worker must never hit it.

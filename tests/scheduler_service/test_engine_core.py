@@ -69,9 +69,9 @@ def test_a_sequences_tokens_split_over_a_reply_make_one_update() -> None:
     assert first.output_token_ids == [1, 2, 3, 5, 6]
 
 
-def test_decode_only_steps_are_timed_and_short_iterations_lengthen_the_next_steps() -> None:
+def test_decode_only_steps_are_timed_and_a_lone_sequences_short_iterations_lengthen_its_steps() -> None:
     core = EngineCore(SchedulerConfig(num_decode_steps=4, decode_step_ms=8.0), INFO, eos_token_ids=[99])
-    sequences, decode = decoding(core, SamplingParams(max_tokens=200), SamplingParams(max_tokens=200))
+    sequences, decode = decoding(core, SamplingParams(max_tokens=200))
     assert decode.num_decode_iterations == 4
     core.observe_period(decode, 0.002)  # 4 iterations in 2 ms
     assert core.build_step().request.num_decode_steps == 16
