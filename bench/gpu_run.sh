@@ -48,14 +48,17 @@ serving_stage() {
     >"$OUT/serving-metrics.txt"
   kill $scheduler $worker; wait $scheduler $worker
 }
-step_length_ab() {  # name, bench/serving.py flags: the default scheduler, then one restarted with --decode-step-ms 0
-  local name=$1; shift
-  start_services
-  for variant in default fixed4; do
-    if [ $variant = fixed4 ]; then  # a new scheduler on the same worker (it takes the worker over)
+step_length_ab() {  # name, bench/serving.py flags: the default scheduler and one with --decode-step-ms 0 (fixed4),
+  # in the order of $VARIANTS (default: "default fixed4"); after the first, a new scheduler takes the same worker over
+  local name=$1 variant flags first=1; shift
+  for variant in ${VARIANTS:-default fixed4}; do
+    flags=""; [ $variant = fixed4 ] && flags="--decode-step-ms 0"
+    if [ $first = 1 ]; then
+      start_services $flags; first=0
+    else
       kill $scheduler; wait $scheduler
       python3 -m common.cli --log-level WARNING scheduler --worker 127.0.0.1:$wport --port $port \
-        --metrics-port $mport --worker-takeover --decode-step-ms 0 >"$OUT/serving-scheduler-fixed4.log" 2>&1 &
+        --metrics-port $mport --worker-takeover $flags >"$OUT/serving-scheduler-$variant.log" 2>&1 &
       scheduler=$!
     fi
     timeout 240 python3 bench/serving.py --target 127.0.0.1:$port "$@" \
