@@ -15,6 +15,10 @@ from common.config import MAX_DECODE_STEPS, SchedulerConfig
 from scheduler_service.block_manager import BlockManager
 from scheduler_service.sequence import FinishReason, ScheduledSequence, Sequence, SequenceStatus
 
+# Steps of decodes alone whose periods give the time per iteration: the last 8, once there are 4.
+DECODE_PERIOD_WINDOW = 8
+MIN_DECODE_PERIODS = 4
+
 
 @dataclass
 class SchedulerOutput:
@@ -39,7 +43,8 @@ class Scheduler:
         # Sequences the worker holds but must forget at the next step.
         self._to_release: list[int] = []
         self.num_preemptions = 0  # counter, for tests and metrics
-        self._iteration_s = 0.0  # the last measured wall time of one decode iteration (0: none yet)
+        # (iterations, seconds) of the last steps of decodes alone, for the time per iteration.
+        self._decode_periods: deque[tuple[int, float]] = deque(maxlen=DECODE_PERIOD_WINDOW)
 
     @property
     def has_unfinished(self) -> bool:
@@ -72,9 +77,17 @@ class Scheduler:
 
     def observe_decode_period(self, num_iterations: int, period_s: float) -> None:
         """The wall time of a step of num_iterations decode iterations alone, from the previous step's
-        result to its own (steps following without a gap): the time per iteration that sizes the
-        next steps of decodes."""
-        self._iteration_s = period_s / num_iterations
+        result to its own (steps following without a gap): what sizes the next steps of decodes."""
+        self._decode_periods.append((num_iterations, period_s))
+
+    def _iteration_s(self) -> float:
+        """Seconds per decode iteration over the last few steps (0: too few measured). A sum, not the
+        last step alone: a reply held up (a CPU worker's model thread holding the GIL) makes one
+        period short and the one before it long by the same time, and only their sum is right."""
+        if len(self._decode_periods) < MIN_DECODE_PERIODS:
+            return 0.0
+        iterations = sum(n for n, _ in self._decode_periods)
+        return sum(period for _, period in self._decode_periods) / iterations
 
     def _num_decode_steps(self) -> int:
         """Several decode iterations per step amortise the per-step host work over more tokens. Only
@@ -93,13 +106,14 @@ class Scheduler:
         return max(steps, 1)
 
     def _decode_steps_in_time(self) -> int:
-        """num_decode_steps; for a lone sequence, more while they fit in decode_step_ms at the last
-        measured time per iteration (none measured yet: num_decode_steps). Never for more sequences:
+        """num_decode_steps; for a lone sequence, more while they fit in decode_step_ms at the measured
+        time per iteration (too few measured yet: num_decode_steps). Never for more sequences:
         they mean requests are arriving, and a longer step delays their admission (measured on an
         H200 at 8 requests/s: first token +10 ms at p50)."""
         steps = self.config.num_decode_steps
-        if len(self.running) == 1 and self.config.decode_step_ms and self._iteration_s:
-            in_time = int(self.config.decode_step_ms / 1e3 / self._iteration_s)
+        iteration_s = self._iteration_s() if len(self.running) == 1 and self.config.decode_step_ms else 0.0
+        if iteration_s:
+            in_time = int(self.config.decode_step_ms / 1e3 / iteration_s)
             steps = max(steps, min(in_time, MAX_DECODE_STEPS))
         return steps
 

@@ -13,6 +13,7 @@ from common.generated.nanovllm.worker.v1 import worker_pb2
 from common.sampling_params import SamplingParams
 from scheduler_service import engine_core
 from scheduler_service.engine_core import EngineCore, InFlightStep, drive
+from scheduler_service.scheduler import MIN_DECODE_PERIODS
 from scheduler_service.sequence import FinishReason, Sequence
 
 INFO = WorkerInfo(model_name="fake", dtype="fake", block_size=16, max_model_len=256, vocab_size=100,
@@ -73,7 +74,8 @@ def test_decode_only_steps_are_timed_and_a_lone_sequences_short_iterations_lengt
     core = EngineCore(SchedulerConfig(num_decode_steps=4, decode_step_ms=8.0), INFO, eos_token_ids=[99])
     sequences, decode = decoding(core, SamplingParams(max_tokens=200))
     assert decode.num_decode_iterations == 4
-    core.observe_period(decode, 0.002)  # 4 iterations in 2 ms
+    for _ in range(MIN_DECODE_PERIODS):
+        core.observe_period(decode, 0.002)  # 4 iterations in 2 ms
     assert core.build_step().request.num_decode_steps == 16
 
 
@@ -82,15 +84,17 @@ def test_a_step_with_a_prefill_is_not_timed() -> None:
     core.add_request([5, 6, 7], SamplingParams(max_tokens=200))
     prefill = core.build_step()
     assert prefill.num_decode_iterations == 0
-    core.observe_period(prefill, 0.0001)
+    for _ in range(MIN_DECODE_PERIODS):
+        core.observe_period(prefill, 0.0001)
     core.process_step(prefill, reply(prefill, [(seq_id, 1) for seq_id in prefill.scheduled]))
     assert core.build_step().request.num_decode_steps == 4
 
 
 def test_drive_times_each_step_from_the_previous_result(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Steps whose replies come 0.5 ms per decode iteration apart (a fake clock): the first step of
-    decodes is sized before anything is measured, the second before its predecessor's reply (one
-    step of lookahead), the third after: 8 ms hold 16 iterations."""
+    """Steps whose replies come 0.5 ms per decode iteration apart (a fake clock): steps of decodes
+    keep num_decode_steps until MIN_DECODE_PERIODS of them are timed (the step after the prefill has
+    no period: nothing came before it; each step is built before its predecessor's reply), then
+    8 ms hold 16 iterations."""
     clock = [0.0]
     monkeypatch.setattr(engine_core.time, "perf_counter", lambda: clock[0])
     core = EngineCore(SchedulerConfig(num_decode_steps=4, decode_step_ms=8.0), INFO, eos_token_ids=[99])
@@ -107,4 +111,4 @@ def test_drive_times_each_step_from_the_previous_result(monkeypatch: pytest.Monk
         return answer(step)
 
     asyncio.run(drive(core, launch, lambda step, updates, period_s: None))
-    assert sent[:4] == [1, 4, 4, 16]
+    assert sent[:MIN_DECODE_PERIODS + 3] == [1, *[4] * (MIN_DECODE_PERIODS + 1), 16]

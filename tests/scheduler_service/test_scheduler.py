@@ -6,7 +6,7 @@ import pytest
 from common.config import MAX_DECODE_STEPS, SchedulerConfig
 from common.sampling_params import SamplingParams
 from scheduler_service.block_manager import BlockManager
-from scheduler_service.scheduler import Scheduler, SchedulerOutput
+from scheduler_service.scheduler import DECODE_PERIOD_WINDOW, MIN_DECODE_PERIODS, Scheduler, SchedulerOutput
 from scheduler_service.sequence import FinishReason, Sequence, SequenceStatus
 
 BLOCK = 16
@@ -189,33 +189,54 @@ def decoding_scheduler(num_sequences: int, **config: int | float) -> Scheduler:
     return scheduler
 
 
+def observe(scheduler: Scheduler, periods_s: list[float], num_iterations: int = 4) -> None:
+    for period_s in periods_s:
+        scheduler.observe_decode_period(num_iterations, period_s)
+
+
 @pytest.mark.parametrize(("iteration_ms", "expected"),
                          [(0.5, 16), (1.0, 8), (1.9, 4), (3.0, 4), (0.01, MAX_DECODE_STEPS)])
 def test_a_lone_sequences_short_iterations_make_its_steps_last_about_decode_step_ms(iteration_ms: float,
                                                                                       expected: int) -> None:
     scheduler = decoding_scheduler(1, num_decode_steps=4, decode_step_ms=8.0)
-    assert scheduler.schedule().num_decode_steps == 4  # nothing measured yet
-    scheduler.observe_decode_period(4, 4 * iteration_ms / 1e3)
+    observe(scheduler, [4 * iteration_ms / 1e3] * (MIN_DECODE_PERIODS - 1))
+    assert scheduler.schedule().num_decode_steps == 4  # too few steps measured yet
+    observe(scheduler, [4 * iteration_ms / 1e3])
     assert scheduler.schedule().num_decode_steps == expected
+
+
+def test_a_held_up_reply_does_not_shorten_the_time_per_iteration() -> None:
+    """Replies of 160 ms steps where one came 159 ms late: one period of 1 ms after one of 319 ms.
+    The last period alone would say 0.25 ms an iteration (64 of them in 8 ms); the sum says 40."""
+    scheduler = decoding_scheduler(1, num_decode_steps=4, decode_step_ms=8.0)
+    observe(scheduler, [0.160, 0.160, 0.319, 0.001])
+    assert scheduler.schedule().num_decode_steps == 4
+
+
+def test_the_time_per_iteration_follows_the_last_steps() -> None:
+    scheduler = decoding_scheduler(1, num_decode_steps=4, decode_step_ms=8.0)
+    observe(scheduler, [0.160] * DECODE_PERIOD_WINDOW)  # 40 ms an iteration
+    observe(scheduler, [0.004] * DECODE_PERIOD_WINDOW)  # then 1 ms: the slow steps have left the window
+    assert scheduler.schedule().num_decode_steps == 8
 
 
 @pytest.mark.parametrize(("num_sequences", "decode_step_ms"), [(1, 0.0), (2, 8.0), (5, 8.0)])
 def test_num_decode_steps_holds_without_decode_step_ms_or_for_several_sequences(num_sequences: int,
                                                                                 decode_step_ms: float) -> None:
     scheduler = decoding_scheduler(num_sequences, num_decode_steps=4, decode_step_ms=decode_step_ms)
-    scheduler.observe_decode_period(4, 0.001)
+    observe(scheduler, [0.001] * MIN_DECODE_PERIODS)
     assert scheduler.schedule().num_decode_steps == 4
 
 
 def test_lengthened_decode_steps_stay_within_the_token_budget() -> None:
     scheduler = decoding_scheduler(1, num_decode_steps=2, max_num_batched_tokens=10)
-    scheduler.observe_decode_period(2, 0.0002)  # 0.1 ms an iteration: 80 would fit in 8 ms
+    observe(scheduler, [0.0002] * MIN_DECODE_PERIODS, num_iterations=2)  # 0.1 ms an iteration: 80 in 8 ms
     assert scheduler.schedule().num_decode_steps == 10
 
 
 def test_a_waiting_sequence_still_forces_single_iterations_after_short_ones() -> None:
     scheduler = decoding_scheduler(1, num_decode_steps=4)
-    scheduler.observe_decode_period(4, 0.001)
+    observe(scheduler, [0.001] * MIN_DECODE_PERIODS)
     add(scheduler, 10, first_token=900)
     assert scheduler.schedule().num_decode_steps == 1
 
