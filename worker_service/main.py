@@ -13,7 +13,7 @@ logger = logging.getLogger(__name__)
 
 
 async def _serve(config: WorkerConfig, link: WorkerLinkConfig, host: str, port: int) -> None:
-    from worker_service.server import serve_worker
+    from worker_service.server import model_thread, serve_worker
     from worker_service.tp_group import create_worker_core
 
     stop = asyncio.Event()
@@ -22,14 +22,16 @@ async def _serve(config: WorkerConfig, link: WorkerLinkConfig, host: str, port: 
         loop.add_signal_handler(signum, stop.set)
     check_port_free(host, port, "cannot listen on {address}: Address already in use")
     started = time.perf_counter()
-    core = await asyncio.to_thread(create_worker_core, config)
+    model = model_thread()  # loads the model and runs it (see model_thread for why one thread)
+    core = await loop.run_in_executor(model, create_worker_core, config)
     logger.info("model %s loaded in %.1f s", config.model, time.perf_counter() - started)
-    server, port = await serve_worker(core, host, port, link)
+    server, port = await serve_worker(core, model, host, port, link)
     logger.info("worker ready on %s", host if host.startswith("/") else f"{host}:{port}")
     await stop.wait()
     logger.info("worker stopping")
     await server.stop(5)
-    core.close()
+    await loop.run_in_executor(model, core.close)
+    model.shutdown()
 
 
 def run_worker(config: WorkerConfig, link: WorkerLinkConfig, host: str, port: int) -> int:

@@ -34,23 +34,29 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 _Result = TypeVar("_Result")
 
 
+def model_thread() -> ThreadPoolExecutor:
+    """The one thread that loads the model and runs all its work. On a CPU, torch's intra-op threads
+    form one OpenMP team per thread that runs parallel ops, and with more team threads than cores
+    libgomp stops spinning between ops: a second team (a model loaded on another thread) took the
+    default model's single-stream decode from ~29 to ~11 tokens/s on 2 cores. One thread also keeps
+    launches from queueing behind a thread that waits for a step's result."""
+    num_threads = torch.get_num_threads()
+    return ThreadPoolExecutor(1, thread_name_prefix="model", initializer=lambda: torch.set_num_threads(num_threads))
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Serves one scheduler session at a time: InitCache claims the worker for a session id, and
-    Step and Release name it. A call from any other session is refused before it touches anything."""
+    Step and Release name it. A call from any other session is refused before it touches anything.
+    Model work runs on model_thread, the thread that loaded the model."""
 
-    def __init__(self, core: WorkerCore | TensorParallelCore) -> None:
+    def __init__(self, core: WorkerCore | TensorParallelCore, model_thread: ThreadPoolExecutor) -> None:
         self.core = core
         self._turn = asyncio.Condition()
         self._session_id: str | None = None
         # Counts claims: a step that waited for its turn across a claim (even its own session's,
         # which restarts step ids at 1) belongs to state that is gone and must not run.
         self._num_claims = 0
-        # Model work always runs on this one thread: the CPU backend's intra-op thread team then
-        # stays warm (a new OpenMP team per pool thread would halve CPU throughput), and launches
-        # are never queued behind a thread waiting for a step's result.
-        num_threads = torch.get_num_threads()
-        self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="model",
-                                                initializer=lambda: torch.set_num_threads(num_threads))
+        self._model_thread = model_thread
 
     async def _on_model_thread(self, function: Callable[..., _Result], *args: object) -> _Result:
         return await asyncio.get_running_loop().run_in_executor(self._model_thread, function, *args)
@@ -116,14 +122,14 @@ def server_credentials_for(link: WorkerLinkConfig) -> grpc.ServerCredentials | N
     return server_credentials(link.tls_cert, link.tls_key, link.tls_ca or None)
 
 
-async def serve_worker(core: WorkerCore | TensorParallelCore, host: str, port: int,
-                       link: WorkerLinkConfig) -> tuple[grpc.aio.Server, int]:
+async def serve_worker(core: WorkerCore | TensorParallelCore, model_thread: ThreadPoolExecutor, host: str,
+                       port: int, link: WorkerLinkConfig) -> tuple[grpc.aio.Server, int]:
     """Starts the worker's server; returns it and the bound port. Raises PortInUseError when the
     address is taken (SO_REUSEPORT is off, so a second worker cannot share a port)."""
     credentials = server_credentials_for(link)
     server = grpc.aio.server(options=[*server_options(), ("grpc.so_reuseport", 0)],
                              interceptors=[SecretInterceptor(link.secret), ErrorMappingInterceptor(STATUSES)])
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(core), server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(core, model_thread), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"unix:{host}" if host.startswith("/") else f"{host}:{port}"
