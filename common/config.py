@@ -41,8 +41,8 @@ class SchedulerConfig:
     # A lone stream's short iterations (~1 ms on a GPU) leave the host's turn between steps exposed;
     # a longer step hides it, and a request arriving meanwhile waits at most about this long.
     decode_step_ms: float = option(8.0, "a lone sequence's step of decodes runs more iterations than "
-                                   "--num-decode-steps while they fit in this many milliseconds, at the last measured "
-                                   "time per iteration (0: exactly --num-decode-steps)", min=0.0, max=1000.0)
+                                   "--num-decode-steps while they fit in this many milliseconds, at the time per "
+                                   "iteration of the last steps (0: exactly --num-decode-steps)", min=0.0, max=1000.0)
     worker_timeout_s: float = option(60.0, "seconds a lost worker's requests wait for it to answer again "
                                      "(then UNAVAILABLE)", flag="worker-timeout")
     # Generous: a slow CPU worker must never hit it.
