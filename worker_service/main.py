@@ -23,15 +23,17 @@ async def _serve(config: WorkerConfig, link: WorkerLinkConfig, host: str, port: 
     check_port_free(host, port, "cannot listen on {address}: Address already in use")
     started = time.perf_counter()
     model = model_thread()  # loads the model and runs it (see model_thread for why one thread)
-    core = await loop.run_in_executor(model, create_worker_core, config)
-    logger.info("model %s loaded in %.1f s", config.model, time.perf_counter() - started)
-    server, port = await serve_worker(core, model, host, port, link)
-    logger.info("worker ready on %s", host if host.startswith("/") else f"{host}:{port}")
-    await stop.wait()
-    logger.info("worker stopping")
-    await server.stop(5)
-    await loop.run_in_executor(model, core.close)
-    model.shutdown()
+    try:
+        core = await loop.run_in_executor(model, create_worker_core, config)
+        logger.info("model %s loaded in %.1f s", config.model, time.perf_counter() - started)
+        server, port = await serve_worker(core, model, host, port, link)
+        logger.info("worker ready on %s", host if host.startswith("/") else f"{host}:{port}")
+        await stop.wait()
+        logger.info("worker stopping")
+        await server.stop(5)
+        await loop.run_in_executor(model, core.close)
+    finally:
+        model.shutdown()
 
 
 def run_worker(config: WorkerConfig, link: WorkerLinkConfig, host: str, port: int) -> int:
