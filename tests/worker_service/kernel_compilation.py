@@ -48,7 +48,7 @@ def variants() -> list[Variant]:
     from worker_service.attention.triton_store_kv import _store_kv_kernel
     from worker_service.layers.triton_activation import _silu_and_mul_kernel
     from worker_service.layers.triton_norm import _rms_norm_kernel
-    from worker_service.layers.triton_skinny_matmul import _config, _skinny_matmul_kernel
+    from worker_service.layers.triton_skinny_matmul import _config, _skinny_matmul_kernel, _tile_constexprs
     from worker_service.sampling.fused_sampling import _gumbel_chunk_kernel, _reduce_chunks_kernel
 
     cache = dict(BLOCK_SIZE=256, HEAD_DIM=128)
@@ -95,9 +95,7 @@ def variants() -> list[Variant]:
         config = _config(rows, n, k)
         result.append(Variant(
             f"skinny matmul rows={rows} n={n} k={k} norm={norm}", _skinny_matmul_kernel,
-            dict(HAS_BIAS=bias, NORM=norm, BLOCK_M=16 if config.use_dot else rows, BLOCK_N=config.block_n,
-                 BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, USE_DOT=config.use_dot,
-                 ONE_PASS=not config.use_dot and k <= config.block_k),
+            dict(HAS_BIAS=bias, NORM=norm, **_tile_constexprs(config, rows, k)),
             floats=("eps",), options=dict(num_warps=config.num_warps, num_stages=config.num_stages)))
     for has_norm, fp8 in ((True, False), (False, False), (True, True)):
         result.append(Variant(

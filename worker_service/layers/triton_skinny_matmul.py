@@ -156,6 +156,13 @@ def _config(m: int, n: int, k: int) -> SkinnyConfig:
     return SkinnyConfig(block_n, block_k, 4, 1, False)
 
 
+def _tile_constexprs(config: SkinnyConfig, m: int, k: int) -> dict[str, int | bool]:
+    """The kernel's tiling constants for x [m, k] under config (the launch and the compile test share them)."""
+    return dict(BLOCK_M=16 if config.use_dot else triton.next_power_of_2(m), BLOCK_N=config.block_n,
+                BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, USE_DOT=config.use_dot,
+                ONE_PASS=not config.use_dot and k <= config.block_k)
+
+
 def use_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether skinny_linear takes F.linear(x, weight): 16-bit CUDA tensors, a contiguous 2-D weight, at
     most MAX_ROWS rows of x, and rows of K a multiple of 8 elements (16 bytes, one vectorised load)."""
@@ -206,9 +213,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
     total = torch.empty_like(rows) if residual_rows is not None else None
     if m and n:
         bias = bias.contiguous() if bias is not None else None
-        block_n, block_k, num_warps, num_stages, use_dot = config or _config(m, n, k)
+        config = config or _config(m, n, k)
         spare = weight  # any pointer for the operands this launch does not read
-        _skinny_matmul_kernel[(triton.cdiv(n, block_n),)](
+        _skinny_matmul_kernel[(triton.cdiv(n, config.block_n),)](
             rows, weight, bias if bias is not None else spare, out,
             residual_rows if residual_rows is not None else spare,
             norm_weight if norm_weight is not None else spare, total if total is not None else spare, eps,
@@ -217,9 +224,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
             residual_rows.stride(0) if residual_rows is not None else 0,
             total.stride(0) if total is not None else 0,
             HAS_BIAS=bias is not None, NORM=0 if norm is None else 1 if residual is None else 2,
-            BLOCK_M=16 if use_dot else triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-            EVEN_K=k % block_k == 0, USE_DOT=use_dot, ONE_PASS=not use_dot and k <= block_k,
-            num_warps=num_warps, num_stages=num_stages)
+            **_tile_constexprs(config, m, k), num_warps=config.num_warps, num_stages=config.num_stages)
     return out.view(*x.shape[:-1], n), total.view(x.shape) if total is not None else x
 
 
