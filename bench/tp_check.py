@@ -27,14 +27,19 @@ def prompts(vocab_size: int, count: int = 8) -> list[list[int]]:
     return [[rng.randrange(vocab_size) for _ in range(rng.randint(5, 150))] for _ in range(count)]
 
 
-def greedy(model: str, batch: list[list[int]], tensor_parallel_size: int, enforce_eager: bool) -> list[list[int]]:
+def greedy(model: str, batch: list[list[int]], tensor_parallel_size: int,
+           enforce_eager: bool) -> tuple[list[list[int]], str]:
+    """The tokens, and how rank 0 summed the layers' partial results."""
     from common import SamplingParams
     from offline import LLM
+    from worker_service.distributed import sums_in_symmetric_memory
 
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     with LLM(model, device="cuda", dtype="float32", block_size=16, num_kv_blocks=512, max_num_seqs=16,
              max_num_batched_tokens=512, enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size) as llm:
-        return [r["token_ids"] for r in llm.generate(batch, params, use_tqdm=False)]
+        tokens = [r["token_ids"] for r in llm.generate(batch, params, use_tqdm=False)]
+        sums = "symmetric memory" if sums_in_symmetric_memory() else "NCCL" if tensor_parallel_size > 1 else "none"
+    return tokens, sums
 
 
 def _teacher_forced_rank(rank: int, model: str, sequences: list[tuple[list[int], int]], address: str,
@@ -43,14 +48,15 @@ def _teacher_forced_rank(rank: int, model: str, sequences: list[tuple[list[int],
     decode steps, as tests/worker_service/test_gpu_model.py does on one GPU)."""
     sys.path.insert(0, str(REPO_ROOT))
     from tests.worker_service.test_gpu_model import teacher_forced_logits
-    from worker_service.distributed import destroy_tensor_parallel, init_tensor_parallel
+    from worker_service.distributed import destroy_tensor_parallel, init_tensor_parallel, sums_in_symmetric_memory
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     init_tensor_parallel(rank, 2, address, device)
     logits = [teacher_forced_logits(Path(model), tokens, prompt_len) for tokens, prompt_len in sequences]
     if rank == 0:
-        torch.save(torch.cat(logits), out_path)
+        sums = "symmetric memory" if sums_in_symmetric_memory() else "NCCL"
+        torch.save({"logits": torch.cat(logits), "sums": sums}, out_path)
     destroy_tensor_parallel()
 
 
@@ -66,10 +72,11 @@ def teacher_forced(model: str, batch: list[list[int]], continuations: list[list[
                        nprocs=2, start_method="spawn")
     from tests.worker_service.test_gpu_model import teacher_forced_logits
 
-    ours = {"tp2": torch.load(out_path),
+    tp2 = torch.load(out_path)
+    ours = {"tp2": tp2["logits"],
             "tp1": torch.cat([teacher_forced_logits(Path(model), tokens, n) for tokens, n in sequences])}
     exact = reference[torch.float32]
-    result = {"positions": exact.shape[0],
+    result = {"positions": exact.shape[0], "tp2_sums": tp2["sums"],
               "top1_agreement": _agreement(ours["tp2"], exact),  # the issue's measure
               "relative_error": ((ours["tp2"] - exact).norm() / exact.norm()).item(),
               # Beside it, what bfloat16 alone costs on this random checkpoint:
@@ -111,13 +118,15 @@ def main() -> int:
     batch = prompts(vocab_size)
     results: dict = {}
     for mode, eager in (("graphs", False), ("eager", True)):
-        one = greedy(model, batch, 1, eager)
+        one, _ = greedy(model, batch, 1, eager)
         print(f"float32 greedy, {mode}, tensor parallel 1: done", file=sys.stderr, flush=True)
-        two = greedy(model, batch, 2, eager)
+        # The first group of this process sums in symmetric memory, the second through NCCL
+        # (distributed.init_symmetric_sum): the graphs run checks the one, the eager run the other.
+        two, sums = greedy(model, batch, 2, eager)
         print(f"float32 greedy, {mode}, tensor parallel 2: done", file=sys.stderr, flush=True)
         same = sum(a == b for a, b in zip(one, two, strict=True))
         tokens = sum(x == y for a, b in zip(one, two, strict=True) for x, y in zip(a, b, strict=True))
-        results[f"float32_greedy_{mode}"] = {"sequences_exact": same, "sequences": len(batch),
+        results[f"float32_greedy_{mode}"] = {"sequences_exact": same, "sequences": len(batch), "sums": sums,
                                              "tokens_equal": tokens, "tokens": len(batch) * NUM_NEW_TOKENS}
         if mode == "graphs":
             continuations = one

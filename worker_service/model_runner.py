@@ -16,7 +16,7 @@ from worker_service.batch import ModelInput, build_model_input, sampling_rows
 from worker_service.cpu_quantization import resolve_cpu_weight_format
 from worker_service.cuda_graphs import DecodeGraphs, PrefillGraphs
 from worker_service.decode_plan import DecodePlan
-from worker_service.distributed import broadcast_from_first, min_over_ranks, tp_rank, tp_size
+from worker_service.distributed import broadcast_from_first, init_symmetric_sum, min_over_ranks, tp_rank, tp_size
 from worker_service.memory_profile import HEAVIEST_SAMPLING, PLAIN_SAMPLING, warmup_chunks
 from worker_service.model_loading import load_checkpoint
 from worker_service.sampling.sampler import Sampler, SamplerOutput, stack_iterations
@@ -75,6 +75,8 @@ class ModelRunner:
         self.model, self.model_config = load_checkpoint(config.model, self.dtype, self.device, self.backend,
                                                         self.weight_format)
         self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
+        init_symmetric_sum(max(config.max_num_batched_tokens, config.max_num_seqs), self.model_config.hidden_size,
+                           self.dtype, self.device)
         self.sampler = Sampler(seed=config.seed)
         attention = self.model.attention_layers()[0]  # its head counts are this rank's
         self.num_heads, self.num_kv_heads = attention.num_heads, attention.num_kv_heads

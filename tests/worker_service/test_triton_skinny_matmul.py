@@ -17,6 +17,7 @@ skip_module_unless_kernels_run()
 from worker_service.layers import linear, norm  # noqa: E402
 from worker_service.layers import triton_skinny_matmul as skinny  # noqa: E402
 from worker_service.layers.triton_skinny_matmul import (  # noqa: E402
+    MAX_ROWS,
     SkinnyConfig,
     skinny_linear,
     skinny_norm_linear,
@@ -194,12 +195,28 @@ def test_layers_fall_back_to_f_linear_on_the_cpu(monkeypatch: pytest.MonkeyPatch
     layer.weight.data.normal_(), layer.bias.data.normal_()
     x = torch.randn(3, 64)
     expected = F.linear(x, layer.weight, layer.bias)
-    monkeypatch.setitem(linear.KERNELS, "linear", F.linear)  # an earlier GPU test may have installed the kernel
+    monkeypatch.setitem(linear.KERNELS, "linear", linear.reference_linear)  # a GPU test may have installed the kernel
     assert torch.equal(layer(x), expected)
     monkeypatch.setitem(linear.KERNELS, "linear", skinny.linear)
     assert torch.equal(layer(x), expected)
     x16, weight16 = x.bfloat16(), layer.weight.bfloat16()
     assert torch.equal(skinny.linear(x16, weight16), F.linear(x16, weight16))
+
+
+@pytest.mark.parametrize("rows", [3, MAX_ROWS + 1])  # the kernel, then the reference's matmul
+def test_writes_into_a_given_out(rows: int) -> None:
+    """Tensor parallelism has the row-parallel products written straight into the buffer it sums
+    (distributed.partial_sum_buffer): the same bits as without `out`, in `out`."""
+    x, weight, _ = inputs(rows, 96, 64, torch.bfloat16, has_bias=False)
+    buffer = torch.full((rows * 96 + 8,), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    out = buffer[:rows * 96].view(rows, 96)
+    for product in (skinny.linear, linear.reference_linear) + ((skinny_linear,) if rows <= MAX_ROWS else ()):
+        out.fill_(float("nan"))
+        result = product(x, weight, None, out=out)
+        assert result.data_ptr() == buffer.data_ptr() and result.shape == (rows, 96)
+        assert torch.equal(result, product(x, weight, None))
+    with pytest.raises(ValueError, match="out"):
+        skinny_linear(x, weight, out=buffer[:rows * 95].view(rows, 95))
 
 
 @on_gpu

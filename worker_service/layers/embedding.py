@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_service.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from worker_service.distributed import all_gather_last_dim, all_reduce, partial_sum_buffer, tp_rank, tp_size
 from worker_service.layers.linear import ShardId, attach_loader, check_shape
 
 
@@ -42,7 +42,8 @@ class VocabEmbedding(VocabParallelWeight):
         local = input_ids - self.vocab_start
         is_here = (local >= 0) & (local < self.rows_per_rank)
         hidden = F.embedding(local.clamp(0, self.rows_per_rank - 1), self.weight)
-        return all_reduce(hidden * is_here.unsqueeze(-1).to(hidden.dtype))
+        partial = partial_sum_buffer(hidden.shape, hidden)
+        return all_reduce(torch.mul(hidden, is_here.unsqueeze(-1).to(hidden.dtype), out=partial))
 
 
 class LMHead(VocabParallelWeight):

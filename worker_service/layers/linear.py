@@ -9,8 +9,9 @@ Column-parallel layers (QKV, gate/up) keep a slice of each shard's output rows a
 communication; row-parallel layers (o_proj, down_proj) keep a slice of the input columns and sum
 their partial outputs over the ranks.
 
-The products go through `KERNELS["linear"]`: F.linear, or on GPUs (fused_kernels.enable) a version that
-sends decode-sized inputs (few rows) to a Triton kernel that reads the weight at bandwidth.
+The products go through `KERNELS["linear"]`: reference_linear (F.linear), or on GPUs (fused_kernels.enable)
+a version that sends decode-sized inputs (few rows) to a Triton kernel that reads the weight at bandwidth.
+A row-parallel product is written where distributed.all_reduce sums it fastest (partial_sum_buffer).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_service.distributed import all_reduce, tp_rank, tp_size
+from worker_service.distributed import all_reduce, partial_sum_buffer, tp_rank, tp_size
 
 if TYPE_CHECKING:
     from worker_service.layers.norm import RMSNorm
@@ -30,8 +31,20 @@ ShardId = int | str | None
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return KERNELS["linear"](x, weight, bias)
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    return KERNELS["linear"](x, weight, bias, out)
+
+
+def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, written into `out` when one is given (a contiguous [..., N] tensor; no bias then),
+    by the same matmul F.linear calls."""
+    if out is None:
+        return F.linear(x, weight, bias)
+    if bias is not None:
+        raise ValueError("reference_linear: a bias with out")
+    return torch.matmul(x, weight.t(), out=out)
 
 
 def normed_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
@@ -49,7 +62,7 @@ def compose_normed_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: 
 
 
 # The implementations the layers call; fused_kernels.enable() swaps in triton_skinny_matmul's on GPUs.
-KERNELS: dict[str, Callable[..., Any]] = {"linear": F.linear, "normed_linear": compose_normed_linear}
+KERNELS: dict[str, Callable[..., Any]] = {"linear": reference_linear, "normed_linear": compose_normed_linear}
 
 
 def attach_loader(param: nn.Parameter, loader: WeightLoader, shard_ids: Sequence[ShardId] = (None,)) -> None:
@@ -121,7 +134,8 @@ class RowLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:
             return _linear(x, self.weight, self.bias)
-        out = all_reduce(_linear(x, self.weight, None))
+        partial = _linear(x, self.weight, None, partial_sum_buffer((*x.shape[:-1], self.output_size), x))
+        out = all_reduce(partial)
         return out + self.bias if self.bias is not None else out
 
 

@@ -24,12 +24,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import nn
 
-from worker_service.layers.linear import MergedColumnLinear, compose_normed_linear
+from worker_service.layers.linear import MergedColumnLinear, compose_normed_linear, reference_linear
 from worker_service.layers.norm import RMSNorm
 
 MAX_ROWS = 16  # the most rows of x the kernel takes; more go to cuBLAS, which is efficient there
@@ -175,10 +174,11 @@ def use_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: SkinnyConfig | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [..., K] of at most MAX_ROWS rows (see use_skinny), W [N, K].
-    float32 sums, one rounding to x's dtype; no host sync. `config` overrides _config (benchmarks)."""
-    return _launch(x, weight, bias, config)[0]
+                  config: SkinnyConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [..., K] of at most MAX_ROWS rows (see use_skinny), W [N, K],
+    written into `out` if given (contiguous [..., N]). float32 sums, one rounding to x's dtype; no
+    host sync. `config` overrides _config (benchmarks)."""
+    return _launch(x, weight, bias, config, out=out)[0]
 
 
 def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -198,15 +198,20 @@ def _rows(tensor: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig | None,
-            norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel on x's rows; norm: (residual or None, norm weight, eps). Returns the product and
-    the norm's input sum (x itself without a residual, or without a norm)."""
+            norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
+            out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel on x's rows; norm: (residual or None, norm weight, eps). Returns the product (in
+    `out` if given) and the norm's input sum (x itself without a residual, or without a norm)."""
     n, k = weight.shape
     if weight.stride(-1) != 1:
         raise ValueError("skinny_linear needs the weight's rows contiguous")
     rows = _rows(x, k)
     m = rows.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (*x.shape[:-1], n) or not out.is_contiguous() or out.dtype != x.dtype:
+        raise ValueError(f"out: {tuple(out.shape)} {out.dtype}, expected contiguous {(*x.shape[:-1], n)} {x.dtype}")
+    product = out.view(m, n)
     residual, norm_weight, eps = norm if norm is not None else (None, None, 0.0)
     residual_rows = _rows(residual, k) if residual is not None else None
     # x + residual, written by the kernel; without a residual the norm's input is x itself.
@@ -216,21 +221,24 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
         config = config or _config(m, n, k)
         spare = weight  # any pointer for the operands this launch does not read
         _skinny_matmul_kernel[(triton.cdiv(n, config.block_n),)](
-            rows, weight, bias if bias is not None else spare, out,
+            rows, weight, bias if bias is not None else spare, product,
             residual_rows if residual_rows is not None else spare,
             norm_weight if norm_weight is not None else spare, total if total is not None else spare, eps,
             m, n, k,
-            rows.stride(0), weight.stride(0), out.stride(0),
+            rows.stride(0), weight.stride(0), product.stride(0),
             residual_rows.stride(0) if residual_rows is not None else 0,
             total.stride(0) if total is not None else 0,
             HAS_BIAS=bias is not None, NORM=0 if norm is None else 1 if residual is None else 2,
             **_tile_constexprs(config, m, k), num_warps=config.num_warps, num_stages=config.num_stages)
-    return out.view(*x.shape[:-1], n), total.view(x.shape) if total is not None else x
+    return product.view(*x.shape[:-1], n), total.view(x.shape) if total is not None else x
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through skinny_linear where use_skinny holds (linear.KERNELS["linear"] on GPUs)."""
-    return skinny_linear(x, weight, bias) if use_skinny(x, weight) else F.linear(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """reference_linear, through skinny_linear where use_skinny holds (linear.KERNELS["linear"] on GPUs)."""
+    if use_skinny(x, weight):
+        return skinny_linear(x, weight, bias, out=out)
+    return reference_linear(x, weight, bias, out)
 
 
 def normed_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
