@@ -145,13 +145,20 @@ def init_symmetric_sum(max_rows: int, hidden_size: int, dtype: torch.dtype, devi
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """[..., d] on every rank -> [..., world_size * d], rank order, on every rank."""
+    if tp_size() == 1:
+        return x
+    return all_gather_rows(x).movedim(0, -2).reshape(*x.shape[:-1], tp_size() * x.shape[-1])
+
+
+def all_gather_rows(x: torch.Tensor) -> torch.Tensor:
+    """[n, ...] on every rank -> [world_size, n, ...], rank order, on every rank."""
     size = tp_size()
     if size == 1:
-        return x
+        return x.unsqueeze(0)
     # Ranks concatenated along dimension 0 (the layout gloo requires; NCCL takes it too).
     gathered = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     _all_gather_single(gathered, x.contiguous())
-    return gathered.view(size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], size * x.shape[-1])
+    return gathered.view(size, *x.shape)
 
 
 def broadcast_from_first(x: torch.Tensor) -> torch.Tensor:

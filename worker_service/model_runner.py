@@ -21,6 +21,7 @@ from worker_service.memory_profile import HEAVIEST_SAMPLING, PLAIN_SAMPLING, war
 from worker_service.model_loading import load_checkpoint
 from worker_service.sampling.sampler import Sampler, SamplerOutput, stack_iterations
 from worker_service.sampling.sampling_state import SamplingBatch, host_to_device
+from worker_service.sampling.vocab_parallel import VocabSlice
 from worker_service.sequence_state import InFlightStep
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,9 @@ class ModelRunner:
         init_symmetric_sum(max(config.max_num_batched_tokens, config.max_num_seqs), self.model_config.hidden_size,
                            self.dtype, self.device)
         self.sampler = Sampler(seed=config.seed)
+        head = self.model.lm_head
+        self.vocab_slice = VocabSlice(head.vocab_start, min(head.rows_per_rank, self.vocab_size - head.vocab_start),
+                                      self.vocab_size) if tp_size() > 1 else None
         attention = self.model.attention_layers()[0]  # its head counts are this rank's
         self.num_heads, self.num_kv_heads = attention.num_heads, attention.num_kv_heads
         self.kv_spec = KVCacheSpec(self.model_config.num_layers, config.block_size,
@@ -206,30 +210,35 @@ class ModelRunner:
         metadata = model_input.metadata
         # Before the forward pass moves the metadata to the device: the plan reads the block tables.
         plan = DecodePlan.build(model_input, num_steps, self.config.block_size, self.device) if num_steps > 1 else None
-        logits = self.forward_logits(model_input)
-        if logits is None:
+        hidden = self._forward_sampled(model_input)
+        if hidden is None:
             return None
         # Host work after the forward pass is launched, so that it overlaps the GPU's.
         rows = sampling_rows(model_input.sampled_chunks)
         batch = SamplingBatch.build(rows, self.vocab_size, self.device)
-        outputs = [self._sample(logits, batch)]
+        outputs = [self._sample(hidden, batch)]
         any_seeded = num_steps > 1 and any(p.seed is not None for p in rows.params)
         for index in range(1, num_steps):
             assert plan is not None
             plan.advance(metadata, index)
             hidden = self._forward(outputs[-1].token_ids, plan.positions[index], metadata)
-            logits = self.model.compute_logits(hidden)
             if any_seeded:
                 # Seeded rows draw from (seed, output index): the index moves every iteration.
                 step_rows = replace(rows, output_index=[i + index for i in rows.output_index])
                 batch = SamplingBatch.build(step_rows, self.vocab_size, self.device)
-            outputs.append(self._sample(logits, batch))
+            outputs.append(self._sample(hidden, batch))
         return stack_iterations(outputs)
 
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """Samples; under tensor parallelism every rank takes rank 0's tokens (a small collective
-        queued on the stream, no host sync), so the next step's inputs agree on every rank."""
-        output = self.sampler.sample(logits, batch)
+    def _sample(self, hidden: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Samples the rows of `hidden`. Under tensor parallelism greedy and plain-temperature batches
+        sample from each rank's slice of the logits (sampling/vocab_parallel.py), others from the
+        gathered logits, and every rank takes rank 0's tokens (a small collective queued on the
+        stream, no host sync), so the next step's inputs agree on every rank."""
+        if self.vocab_slice is not None and self.sampler.samples_slices(batch, self.dtype, self.device):
+            logits = self.model.compute_logits(hidden, gather=False)
+            output = self.sampler.sample_slices(logits, batch, self.vocab_slice)
+        else:
+            output = self.sampler.sample(self.model.compute_logits(hidden), batch)
         broadcast_from_first(output.token_ids)
         return output
 
@@ -237,6 +246,11 @@ class ModelRunner:
     def forward_logits(self, model_input: ModelInput) -> torch.Tensor | None:
         """Logits of the last token of each sampling chunk (None when no chunk samples); decode
         batches, and one sequence's prefill, run through a CUDA graph when one is captured."""
+        hidden = self._forward_sampled(model_input)
+        return None if hidden is None else self.model.compute_logits(hidden)
+
+    def _forward_sampled(self, model_input: ModelInput) -> torch.Tensor | None:
+        """The final hidden states of the last token of each sampling chunk (None when no chunk samples)."""
         if self.kv_cache is None:
             raise RuntimeError("the KV cache is not initialised (InitCache first)")
         model_input = self._to_device(model_input)
@@ -244,7 +258,7 @@ class ModelRunner:
         hidden = self._forward(model_input.input_ids, model_input.positions, model_input.metadata)
         if not model_input.sampled_chunks:
             return None
-        return self.model.compute_logits(hidden[model_input.logits_indices])
+        return hidden[model_input.logits_indices]
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         for graphs in self.graphs:

@@ -32,10 +32,12 @@ from worker_service.sampling.fused_sampling import (  # noqa: E402
     _gumbel_log2,
     _num_sms,
     default_num_chunks,
+    gumbel_best,
     gumbel_sample,
 )
 from worker_service.sampling.sampler import Sampler  # noqa: E402
 from worker_service.sampling.sampling_state import SamplingBatch, SamplingRows  # noqa: E402
+from worker_service.sampling.vocab_parallel import pick_best  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -376,3 +378,23 @@ def test_fused_step_has_no_host_sync() -> None:
     assert not torch.cuda.current_stream().query(), "the host waited for the GPU"
     torch.cuda.synchronize()
     assert torch.equal(out.token_ids[1::2], logits[1::2].argmax(dim=-1))
+
+
+@pytest.mark.parametrize("bounds", [[0, 40_000, 151_936], [0, 75_968, 151_936], [0, 4096, 5000, 151_936]])
+def test_slices_of_the_vocabulary_give_the_whole_rows_tokens(bounds: list[int]) -> None:
+    """Tensor parallelism samples from each rank's slice of the logits (gumbel_best with the slice's
+    first id) and keeps the best of the slices' bests (vocab_parallel.pick_best): the same tokens as
+    gumbel_sample on the whole rows, for slices that start inside a tile too. Greedy rows included,
+    and a row whose maximum appears in two slices (the lower id wins, as argmax)."""
+    vocab_size = bounds[-1]
+    logits = torch.randn(6, vocab_size, generator=torch.Generator().manual_seed(4)).to(DEVICE, torch.bfloat16)
+    logits[5, [3, vocab_size - 2]] = 20.0  # a tie across the first and last slice, on a greedy row
+    inv_temperatures = torch.tensor([1.0, 0.0, 1.7, 0.5, 1.0, 0.0], device=DEVICE)
+    expected = gumbel_sample(logits, inv_temperatures, seed=21)
+    pairs = []
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        values, token_ids = gumbel_best(logits[:, start:end], inv_temperatures, 21, start, vocab_size)
+        assert ((start <= token_ids) & (token_ids < end)).all()
+        pairs.append(torch.stack([values, token_ids.float()], dim=1))
+    assert torch.equal(pick_best(torch.stack(pairs)), expected)
+    assert expected[5] == 3 and expected[1] == logits[1].argmax()

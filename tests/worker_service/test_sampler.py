@@ -17,6 +17,7 @@ from transformers.generation.logits_process import (
 from common.sampling_params import SamplingParams
 from worker_service.sampling.sampler import Sampler, apply_penalties, seeded_exponential_noise
 from worker_service.sampling.sampling_state import SamplingBatch, SamplingRows, generator_seed
+from worker_service.sampling.vocab_parallel import VocabSlice, argmax_of_slice, pick_best
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -341,3 +342,31 @@ def test_cuda_step_has_no_host_sync() -> None:
     assert not torch.cuda.current_stream().query(), "the host waited for the GPU"
     torch.cuda.synchronize()
     assert out.token_ids.shape == (6,) and out.top_logprobs.shape == (6, 4)
+
+
+def test_greedy_rows_from_slices_of_the_vocabulary(device: torch.device) -> None:
+    """Tensor parallelism's greedy path (vocab_parallel): each slice's argmax, the best of them kept,
+    is the whole row's argmax; a maximum in two slices goes to the lower id, and the padding columns
+    after the last slice are never read."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(2)).to(device)
+    logits[0, [7, 40]] = 9.0
+    slices = [VocabSlice(0, 20, 50), VocabSlice(20, 20, 50), VocabSlice(40, 10, 50)]
+    pairs = []
+    for vocab_slice in slices:
+        local = logits[:, vocab_slice.start:vocab_slice.start + vocab_slice.size]
+        local = torch.cat([local, torch.full((4, 20 - vocab_slice.size), 99.0, device=device)], dim=1)
+        values, token_ids = argmax_of_slice(local, vocab_slice)
+        pairs.append(torch.stack([values, token_ids.float()], dim=1))
+    assert torch.equal(pick_best(torch.stack(pairs)), logits.argmax(dim=-1))
+    assert logits.argmax(dim=-1)[0] == 7
+
+
+def test_which_batches_sample_from_slices() -> None:
+    """Greedy and plain-temperature batches (the latter where the fused kernel runs) sample from the
+    slices; any filter, penalty, seed or log-probability needs the whole rows."""
+    sampler, cpu, cuda = Sampler(), torch.device("cpu"), torch.device("cuda")
+    assert sampler.samples_slices(build([P(temperature=0)] * 2, 10, cpu), torch.float32, cpu)
+    assert sampler.samples_slices(build([P(temperature=0.7), P(temperature=0)], 10, cpu), torch.bfloat16, cuda)
+    assert not sampler.samples_slices(build([P(temperature=0.7)], 10, cpu), torch.float32, cpu)  # no kernel on CPU
+    for other in (P(top_k=5), P(top_p=0.9), P(min_p=0.1), P(repetition_penalty=1.2), P(seed=3), P(logprobs=2)):
+        assert not sampler.samples_slices(build([other], 10, cpu, prompts=[[1]]), torch.bfloat16, cuda), other

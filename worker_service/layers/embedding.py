@@ -49,13 +49,14 @@ class VocabEmbedding(VocabParallelWeight):
 class LMHead(VocabParallelWeight):
     """hidden -> logits over the vocabulary. `tie_to(embedding)` shares the embedding's weight, so
     loaders see one parameter (named after the embedding) and skip lm_head.weight. Over several
-    ranks each computes the logits of its rows and every rank gathers the full row."""
+    ranks each computes the logits of its rows and, unless asked not to, every rank gathers the
+    full row (sampling can do without: worker_service/sampling/vocab_parallel.py)."""
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:
         logits = F.linear(hidden, self.weight)
-        if tp_size() == 1:
+        if tp_size() == 1 or not gather:
             return logits
         return all_gather_last_dim(logits)[..., :self.vocab_size].contiguous()

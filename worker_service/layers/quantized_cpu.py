@@ -81,7 +81,8 @@ class Int8Head(nn.Module):
         self.register_buffer("codes", torch.round(weight / scales[:, None]).to(torch.int8), persistent=False)
         self.register_buffer("scales", scales.to(torch.bfloat16), persistent=False)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:
+        """gather: as LMHead's (one rank only here: nothing to gather)."""
         if hidden.shape[0] > self.max_quantized_tokens:
             return self.dense(hidden)
         logits = torch.ops.aten._weight_int8pack_mm(hidden.to(torch.bfloat16), self.codes, self.scales).to(hidden.dtype)

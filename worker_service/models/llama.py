@@ -123,7 +123,8 @@ class LlamaForCausalLM(nn.Module):
 
     forward(input_ids [num_tokens], positions [num_tokens], metadata) -> hidden [num_tokens, hidden_size];
     compute_logits(hidden [n, hidden_size]) -> logits [n, vocab_size] in the model dtype, on whichever
-    rows the caller selected (usually the last token of each sequence).
+    rows the caller selected (usually the last token of each sequence); with gather=False and
+    several ranks, this rank's columns of them (lm_head.rows_per_rank, from lm_head.vocab_start).
     """
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
@@ -137,8 +138,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:
+        return self.lm_head(hidden, gather)
 
     def attention_layers(self) -> list[Attention]:
         """The attention modules in layer order, for the runner to assign KV caches to."""

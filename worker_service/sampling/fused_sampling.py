@@ -62,10 +62,10 @@ def _gumbel_log2(bits, FAST_LOG: tl.constexpr):
 
 
 @triton.jit
-def _update_best(best_value, best_column, row_ptr, columns, end, scale, bits,
+def _update_best(best_value, best_column, row_ptr, columns, begin, end, scale, bits,
                  IS_SAMPLED: tl.constexpr, FAST_LOG: tl.constexpr):
-    """Folds one quarter-tile of a row into the per-lane running best."""
-    mask = columns < end
+    """Folds one quarter-tile of a row into the per-lane running best (columns in [begin, end) only)."""
+    mask = (columns >= begin) & (columns < end)
     score = tl.load(row_ptr + columns, mask=mask, other=float("-inf")).to(tl.float32)
     if IS_SAMPLED:
         score = score * scale + _gumbel_log2(bits, FAST_LOG)
@@ -77,10 +77,11 @@ def _update_best(best_value, best_column, row_ptr, columns, end, scale, bits,
 
 
 @triton.jit
-def _scan_chunk(row_ptr, start, end, scale, seed, counter_base,
+def _scan_chunk(row_ptr, start, begin, end, scale, seed, counter_base,
                 IS_SAMPLED: tl.constexpr, FAST_LOG: tl.constexpr, BLOCK: tl.constexpr):
-    """The best (score, column) of columns [start, end) of one row; start is a multiple of BLOCK.
-    Sampled scores are logit * scale + noise, in log2 units; greedy ones the plain logits."""
+    """The best (score, column) of columns [max(start, begin), end) of one row; start is a multiple
+    of BLOCK, row_ptr points at column 0. Sampled scores are logit * scale + noise, in log2 units;
+    greedy ones the plain logits."""
     QUARTER: tl.constexpr = BLOCK // 4
     lanes = tl.arange(0, QUARTER)
     best_value = tl.full([QUARTER], float("-inf"), dtype=tl.float32)
@@ -95,47 +96,50 @@ def _scan_chunk(row_ptr, start, end, scale, seed, counter_base,
             bits2 = lanes
             bits3 = lanes
         columns = tile_start + lanes
-        best_value, best_column = _update_best(best_value, best_column, row_ptr, columns, end, scale, bits0,
+        best_value, best_column = _update_best(best_value, best_column, row_ptr, columns, begin, end, scale, bits0,
                                                IS_SAMPLED, FAST_LOG)
-        best_value, best_column = _update_best(best_value, best_column, row_ptr, columns + QUARTER, end,
+        best_value, best_column = _update_best(best_value, best_column, row_ptr, columns + QUARTER, begin, end,
                                                scale, bits1, IS_SAMPLED, FAST_LOG)
-        best_value, best_column = _update_best(best_value, best_column, row_ptr, columns + 2 * QUARTER, end,
+        best_value, best_column = _update_best(best_value, best_column, row_ptr, columns + 2 * QUARTER, begin, end,
                                                scale, bits2, IS_SAMPLED, FAST_LOG)
-        best_value, best_column = _update_best(best_value, best_column, row_ptr, columns + 3 * QUARTER, end,
+        best_value, best_column = _update_best(best_value, best_column, row_ptr, columns + 3 * QUARTER, begin, end,
                                                scale, bits3, IS_SAMPLED, FAST_LOG)
     value = tl.max(best_value, axis=0)
     column = tl.min(tl.where(best_value == value, best_column, NO_COLUMN), axis=0)
     return value, column
 
 
-@triton.jit(do_not_specialize=["seed", "num_chunks"])  # one compiled kernel for any seed and grid
+@triton.jit(do_not_specialize=["seed", "num_chunks", "column_offset", "column_end"])  # one kernel for any
 def _gumbel_chunk_kernel(
     logits_ptr, inv_temperatures_ptr, partial_value_ptr, partial_column_ptr,
-    vocab_size, chunk_size, seed, stride_logits_row, num_chunks,
+    column_offset, column_end, vocab_size, chunk_size, seed, stride_logits_row, num_chunks,
     BLOCK: tl.constexpr, FAST_LOG: tl.constexpr,
 ):
+    """Columns [column_offset, column_end) of a vocabulary of vocab_size; the logits hold only those."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    start = chunk * chunk_size
-    end = tl.minimum(start + chunk_size, vocab_size)
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_logits_row
+    start = (column_offset // BLOCK) * BLOCK + chunk * chunk_size  # whole tiles of the whole vocabulary
+    end = tl.minimum(start + chunk_size, column_end)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_logits_row - column_offset  # at column 0
     # Philox counters: BLOCK // 4 per tile, tiles numbered from the row's start, so a token's noise
-    # does not depend on the chunking (and so not on the device's multiprocessor count).
+    # does not depend on the chunking (and so not on the device's multiprocessor count) nor on the
+    # slice of the vocabulary these logits hold.
     counter_base = row.to(tl.int64) * (tl.cdiv(vocab_size, BLOCK) * (BLOCK // 4))
     inv_temperature = tl.load(inv_temperatures_ptr + row)
     if inv_temperature > 0.0:
         scale = inv_temperature * 1.4426950408889634  # log2(e): the noise is in log2 units too
-        value, column = _scan_chunk(row_ptr, start, end, scale, seed, counter_base, True, FAST_LOG, BLOCK)
-    else:
-        value, column = _scan_chunk(row_ptr, start, end, inv_temperature, seed, counter_base, False, FAST_LOG,
+        value, column = _scan_chunk(row_ptr, start, column_offset, end, scale, seed, counter_base, True, FAST_LOG,
                                     BLOCK)
+    else:
+        value, column = _scan_chunk(row_ptr, start, column_offset, end, inv_temperature, seed, counter_base, False,
+                                    FAST_LOG, BLOCK)
     partial = row.to(tl.int64) * num_chunks + chunk
     tl.store(partial_value_ptr + partial, value)
     tl.store(partial_column_ptr + partial, column.to(tl.int64))
 
 
 @triton.jit(do_not_specialize=["num_chunks"])
-def _reduce_chunks_kernel(partial_value_ptr, partial_column_ptr, token_ids_ptr, num_chunks,
+def _reduce_chunks_kernel(partial_value_ptr, partial_column_ptr, token_ids_ptr, values_ptr, num_chunks,
                           BLOCK_CHUNKS: tl.constexpr):
     row = tl.program_id(0)
     lanes = tl.arange(0, BLOCK_CHUNKS)
@@ -155,6 +159,7 @@ def _reduce_chunks_kernel(partial_value_ptr, partial_column_ptr, token_ids_ptr, 
     column = tl.min(tl.where(best_value == value, best_column, NO_COLUMN), axis=0)
     # Only a row whose every score is -inf (or NaN) has no best column: take 0, as torch.argmax does for -inf.
     tl.store(token_ids_ptr + row, tl.where(column == NO_COLUMN, 0, column))
+    tl.store(values_ptr + row, value)
 
 
 def gumbel_sample(logits: torch.Tensor, inv_temperatures: torch.Tensor, seed: int,
@@ -167,13 +172,27 @@ def gumbel_sample(logits: torch.Tensor, inv_temperatures: torch.Tensor, seed: in
     integer below 2^64. num_chunks overrides how many programs share a row (tests use it); by
     default there are about TARGET_WAVES programs per multiprocessor.
     """
+    return gumbel_best(logits, inv_temperatures, seed, 0, logits.shape[-1] if logits.dim() else 0, num_chunks)[1]
+
+
+def gumbel_best(logits: torch.Tensor, inv_temperatures: torch.Tensor, seed: int, column_offset: int,
+                vocab_size: int, num_chunks: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """gumbel_sample over a slice of the vocabulary: `logits` [B, n] are columns [column_offset,
+    column_offset + n) of a vocabulary of vocab_size. Returns each row's best score ([B] float32, in
+    the kernel's log2 units; -inf for a row with no finite score) and its token id ([B] int64, of
+    the whole vocabulary). Every column's noise is the one gumbel_sample gives it over the whole
+    vocabulary, so the best of the slices' bests (highest score, lowest id on ties) is
+    gumbel_sample's token: tensor parallelism samples from each rank's slice of the logits."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [num_rows, vocab_size], got shape {tuple(logits.shape)}")
-    num_rows, vocab_size = logits.shape
+    num_rows, num_columns = logits.shape
     if logits.dtype not in FUSED_SAMPLING_DTYPES:
         raise ValueError(f"logits must be one of {FUSED_SAMPLING_DTYPES}, got {logits.dtype}")
-    if vocab_size == 0:
+    if num_columns == 0:
         raise ValueError("logits have an empty vocabulary")
+    column_end = column_offset + num_columns
+    if not 0 <= column_offset < column_end <= vocab_size:
+        raise ValueError(f"columns [{column_offset}, {column_end}) outside a vocabulary of {vocab_size}")
     if tuple(inv_temperatures.shape) != (num_rows,) or inv_temperatures.dtype != torch.float32:
         raise ValueError(f"inv_temperatures must be [{num_rows}] float32, got {tuple(inv_temperatures.shape)} "
                          f"{inv_temperatures.dtype}")
@@ -182,26 +201,27 @@ def gumbel_sample(logits: torch.Tensor, inv_temperatures: torch.Tensor, seed: in
     if not 0 <= seed < 1 << 64:
         raise ValueError(f"seed must fit in 64 unsigned bits, got {seed}")
     token_ids = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    values = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
     if num_rows == 0:
-        return token_ids
+        return values, token_ids
     if logits.stride(1) != 1:
         logits = logits.contiguous()  # a copy: the caller's tensor stays as it is
     inv_temperatures = inv_temperatures.contiguous()
     if num_chunks is None:
-        num_chunks = default_num_chunks(num_rows, vocab_size, logits.device)
-    chunk_size, num_chunks = _chunk_layout(vocab_size, num_chunks)
+        num_chunks = default_num_chunks(num_rows, num_columns, logits.device)
+    chunk_size, num_chunks = _chunk_layout(column_offset, column_end, num_chunks)
     partial_values = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
     partial_columns = torch.empty(num_rows, num_chunks, dtype=torch.int64, device=logits.device)
     _gumbel_chunk_kernel[(num_rows, num_chunks)](
         logits, inv_temperatures, partial_values, partial_columns,
-        vocab_size, chunk_size, seed, logits.stride(0), num_chunks,
+        column_offset, column_end, vocab_size, chunk_size, seed, logits.stride(0), num_chunks,
         BLOCK=BLOCK, FAST_LOG=logits.device.type == "cuda", num_warps=NUM_WARPS,
     )
     _reduce_chunks_kernel[(num_rows,)](
-        partial_values, partial_columns, token_ids, num_chunks,
+        partial_values, partial_columns, token_ids, values, num_chunks,
         BLOCK_CHUNKS=REDUCE_BLOCK, num_warps=1,
     )
-    return token_ids
+    return values, token_ids
 
 
 def default_num_chunks(num_rows: int, vocab_size: int, device: torch.device) -> int:
@@ -210,11 +230,12 @@ def default_num_chunks(num_rows: int, vocab_size: int, device: torch.device) -> 
     return max(1, min(triton.cdiv(num_programs, num_rows), triton.cdiv(vocab_size, BLOCK)))
 
 
-def _chunk_layout(vocab_size: int, num_chunks: int) -> tuple[int, int]:
-    """(chunk_size, num_chunks) for about num_chunks chunks of whole tiles, none of them empty."""
-    num_tiles = triton.cdiv(vocab_size, BLOCK)
+def _chunk_layout(column_offset: int, column_end: int, num_chunks: int) -> tuple[int, int]:
+    """(chunk_size, num_chunks) for about num_chunks chunks of whole tiles (tiles of the whole
+    vocabulary) covering columns [column_offset, column_end), none of them empty."""
+    num_tiles = triton.cdiv(column_end, BLOCK) - column_offset // BLOCK
     chunk_size = triton.cdiv(num_tiles, max(1, min(num_chunks, num_tiles))) * BLOCK
-    return chunk_size, triton.cdiv(vocab_size, chunk_size)
+    return chunk_size, triton.cdiv(num_tiles * BLOCK, chunk_size)
 
 
 def _num_sms(device: torch.device) -> int:

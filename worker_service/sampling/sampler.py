@@ -10,6 +10,9 @@ take a shortcut on CUDA: one fused Triton kernel (`fused_sampling.gumbel_sample`
 log space: argmax(logits / T + Gumbel noise)) reads the logits once, instead of the several [B, V]
 passes below. Its noise is counter-based, from a seed the sampler draws on the host for each call.
 Seeded rows never take it, so their tokens stay those of `seeded_exponential_noise`.
+
+Under tensor parallelism greedy and plain-temperature batches sample from each rank's slice of the
+logits (`sample_slices`, vocab_parallel.py); others from the gathered logits (`sample`).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import torch
 
 from worker_service.sampling import FUSED_SAMPLING_DTYPES
 from worker_service.sampling.sampling_state import SamplingBatch
+from worker_service.sampling.vocab_parallel import VocabSlice, argmax_of_slice, best_of_slices
 
 # Exp(1) draws can be exactly 0 (a uniform draw of 1); p / 0 would beat every real candidate, and
 # 0 / 0 = NaN would let argmax pick a filtered token.
@@ -90,16 +94,36 @@ class Sampler:
             token_ids = _sample_rows(logits, batch)
         return _output(token_ids, raw_logprobs, batch.max_num_top_logprobs)
 
+    def samples_slices(self, batch: SamplingBatch, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether sample_slices takes `batch` with logits of dtype on device: greedy or plain-temperature
+        batches (the latter where the fused kernel runs)."""
+        return batch.is_plain_temperature and (batch.is_all_greedy or self._can_fuse(dtype, device))
+
+    def sample_slices(self, logits: torch.Tensor, batch: SamplingBatch, vocab_slice: VocabSlice) -> SamplerOutput:
+        """Samples from this rank's slice of the vocabulary (tensor parallelism: `logits` [B, columns],
+        of which vocab_slice's are real tokens), exchanging each row's best with the other ranks (see
+        vocab_parallel): the tokens of sample() on the full logits. A collective: every rank calls it."""
+        if batch.is_all_greedy:
+            best = argmax_of_slice(logits, vocab_slice)
+        else:
+            from worker_service.sampling.fused_sampling import gumbel_best  # imports Triton: only when needed
+
+            seed = self._fused_seeds.getrandbits(62)
+            best = gumbel_best(vocab_slice.own(logits), batch.inv_temperatures, seed, vocab_slice.start,
+                               vocab_slice.vocab_size)
+        return SamplerOutput(token_ids=best_of_slices(*best))
+
     def _takes_fused_path(self, logits: torch.Tensor, batch: SamplingBatch) -> bool:
         """Whether this call samples with the fused kernel (see the class docstring)."""
-        if self.fused is False or not batch.is_plain_temperature or batch.is_all_greedy:
+        return batch.is_plain_temperature and not batch.is_all_greedy and self._can_fuse(logits.dtype, logits.device)
+
+    def _can_fuse(self, dtype: torch.dtype, device: torch.device) -> bool:
+        if self.fused is False or dtype not in FUSED_SAMPLING_DTYPES:
             return False
-        if logits.dtype not in FUSED_SAMPLING_DTYPES:
-            return False
-        if logits.is_cuda:
+        if device.type == "cuda":
             return True
         if self.fused and os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError(f"fused sampling on {logits.device} needs CUDA or TRITON_INTERPRET=1")
+            raise RuntimeError(f"fused sampling on {device} needs CUDA or TRITON_INTERPRET=1")
         return bool(self.fused)
 
 
