@@ -27,14 +27,14 @@ def prompts(vocab_size: int, count: int = 8) -> list[list[int]]:
     return [[rng.randrange(vocab_size) for _ in range(rng.randint(5, 150))] for _ in range(count)]
 
 
-def greedy(model: str, batch: list[list[int]], tensor_parallel_size: int,
-           enforce_eager: bool) -> tuple[list[list[int]], str]:
-    """The tokens, and how rank 0 summed the layers' partial results."""
+def generate(model: str, batch: list[list[int]], tensor_parallel_size: int, enforce_eager: bool,
+             temperature: float = 0.0) -> tuple[list[list[int]], str]:
+    """The tokens (float32), and how rank 0 summed the layers' partial results."""
     from common import SamplingParams
     from offline import LLM
     from worker_service.distributed import sums_in_symmetric_memory
 
-    params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     with LLM(model, device="cuda", dtype="float32", block_size=16, num_kv_blocks=512, max_num_seqs=16,
              max_num_batched_tokens=512, enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size) as llm:
         tokens = [r["token_ids"] for r in llm.generate(batch, params, use_tqdm=False)]
@@ -117,18 +117,20 @@ def main() -> int:
     vocab_size = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     batch = prompts(vocab_size)
     results: dict = {}
-    for mode, eager in (("graphs", False), ("eager", True)):
-        one, _ = greedy(model, batch, 1, eager)
-        print(f"float32 greedy, {mode}, tensor parallel 1: done", file=sys.stderr, flush=True)
-        # The first group of this process sums in symmetric memory, the second through NCCL
-        # (distributed.init_symmetric_sum): the graphs run checks the one, the eager run the other.
-        two, sums = greedy(model, batch, 2, eager)
-        print(f"float32 greedy, {mode}, tensor parallel 2: done", file=sys.stderr, flush=True)
+    # The first group of this process sums in symmetric memory, later ones through NCCL
+    # (distributed.init_symmetric_sum): the graphs run checks the one, the others the other.
+    # Temperature 0.8 samples through the fused kernel (over each rank's slice of the vocabulary at TP=2).
+    for name, eager, temperature in (("greedy_graphs", False, 0.0), ("greedy_eager", True, 0.0),
+                                     ("temperature_graphs", False, 0.8)):
+        one, _ = generate(model, batch, 1, eager, temperature)
+        print(f"float32 {name}, tensor parallel 1: done", file=sys.stderr, flush=True)
+        two, sums = generate(model, batch, 2, eager, temperature)
+        print(f"float32 {name}, tensor parallel 2: done", file=sys.stderr, flush=True)
         same = sum(a == b for a, b in zip(one, two, strict=True))
         tokens = sum(x == y for a, b in zip(one, two, strict=True) for x, y in zip(a, b, strict=True))
-        results[f"float32_greedy_{mode}"] = {"sequences_exact": same, "sequences": len(batch), "sums": sums,
-                                             "tokens_equal": tokens, "tokens": len(batch) * NUM_NEW_TOKENS}
-        if mode == "graphs":
+        results[f"float32_{name}"] = {"sequences_exact": same, "sequences": len(batch), "sums": sums,
+                                      "tokens_equal": tokens, "tokens": len(batch) * NUM_NEW_TOKENS}
+        if name == "greedy_graphs":
             continuations = one
     results["bfloat16_teacher_forced"] = teacher_forced(model, batch, continuations)
     if args.json_out:

@@ -25,11 +25,13 @@ def main(folder: Path) -> None:
     print(f"{'measure':44} {'value':>30}")
     check = _load(folder, "tp_check")
     if check:
-        for mode in ("graphs", "eager"):
-            greedy = check[f"float32_greedy_{mode}"]
-            value = (f"{greedy['sequences_exact']}/{greedy['sequences']} seqs, "
-                     f"{greedy['tokens_equal']}/{greedy['tokens']} tok")
-            print(f"{'fp32 greedy TP=2 vs TP=1, ' + mode:44} {value:>30}")
+        for name in ("greedy_graphs", "greedy_eager", "temperature_graphs"):
+            run = check.get(f"float32_{name}")
+            if run is None:
+                continue
+            value = f"{run['sequences_exact']}/{run['sequences']} seqs, {run['tokens_equal']}/{run['tokens']} tok"
+            label = f"fp32 {name.replace('_', ' ')} TP=2 vs TP=1 ({run.get('sums', '?')})"
+            print(f"{label:52} {value:>30}")
         teacher = check["bfloat16_teacher_forced"]
         value = f"top-1 {teacher['top1_agreement']:.4f}, rel err {teacher['relative_error']:.2e}"
         print(f"{'bf16 teacher-forced TP=2 vs transformers':44} {value:>30}")
