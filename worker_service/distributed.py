@@ -150,6 +150,12 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     return all_gather_rows(x).movedim(0, -2).reshape(*x.shape[:-1], tp_size() * x.shape[-1])
 
 
+def all_gather_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Every rank's slice of the vocabulary's logits [..., rows per rank] -> the whole rows
+    [..., vocab_size] (the last rank's padding dropped), on every rank."""
+    return all_gather_last_dim(logits)[..., :vocab_size].contiguous()
+
+
 def all_gather_rows(x: torch.Tensor) -> torch.Tensor:
     """[n, ...] on every rank -> [world_size, n, ...], rank order, on every rank."""
     size = tp_size()

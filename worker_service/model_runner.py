@@ -16,7 +16,14 @@ from worker_service.batch import ModelInput, build_model_input, sampling_rows
 from worker_service.cpu_quantization import resolve_cpu_weight_format
 from worker_service.cuda_graphs import DecodeGraphs, PrefillGraphs
 from worker_service.decode_plan import DecodePlan
-from worker_service.distributed import broadcast_from_first, init_symmetric_sum, min_over_ranks, tp_rank, tp_size
+from worker_service.distributed import (
+    all_gather_vocab,
+    broadcast_from_first,
+    init_symmetric_sum,
+    min_over_ranks,
+    tp_rank,
+    tp_size,
+)
 from worker_service.memory_profile import HEAVIEST_SAMPLING, PLAIN_SAMPLING, warmup_chunks
 from worker_service.model_loading import load_checkpoint
 from worker_service.sampling.sampler import Sampler, SamplerOutput, stack_iterations
@@ -210,47 +217,46 @@ class ModelRunner:
         metadata = model_input.metadata
         # Before the forward pass moves the metadata to the device: the plan reads the block tables.
         plan = DecodePlan.build(model_input, num_steps, self.config.block_size, self.device) if num_steps > 1 else None
-        hidden = self._forward_sampled(model_input)
-        if hidden is None:
+        gather = self.vocab_slice is None  # under tensor parallelism each rank keeps its slice (_sample)
+        logits = self.forward_logits(model_input, gather)
+        if logits is None:
             return None
         # Host work after the forward pass is launched, so that it overlaps the GPU's.
         rows = sampling_rows(model_input.sampled_chunks)
         batch = SamplingBatch.build(rows, self.vocab_size, self.device)
-        outputs = [self._sample(hidden, batch)]
+        outputs = [self._sample(logits, batch)]
         any_seeded = num_steps > 1 and any(p.seed is not None for p in rows.params)
         for index in range(1, num_steps):
             assert plan is not None
             plan.advance(metadata, index)
             hidden = self._forward(outputs[-1].token_ids, plan.positions[index], metadata)
+            logits = self.model.compute_logits(hidden, gather)
             if any_seeded:
                 # Seeded rows draw from (seed, output index): the index moves every iteration.
                 step_rows = replace(rows, output_index=[i + index for i in rows.output_index])
                 batch = SamplingBatch.build(step_rows, self.vocab_size, self.device)
-            outputs.append(self._sample(hidden, batch))
+            outputs.append(self._sample(logits, batch))
         return stack_iterations(outputs)
 
-    def _sample(self, hidden: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """Samples the rows of `hidden`. Under tensor parallelism greedy and plain-temperature batches
-        sample from each rank's slice of the logits (sampling/vocab_parallel.py), others from the
-        gathered logits, and every rank takes rank 0's tokens (a small collective queued on the
-        stream, no host sync), so the next step's inputs agree on every rank."""
-        if self.vocab_slice is not None and self.sampler.samples_slices(batch, self.dtype, self.device):
-            logits = self.model.compute_logits(hidden, gather=False)
-            output = self.sampler.sample_slices(logits, batch, self.vocab_slice)
-        else:
-            output = self.sampler.sample(self.model.compute_logits(hidden), batch)
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Samples from the logits: the whole rows, or under tensor parallelism this rank's slice of
+        them. There the next step's inputs must agree on every rank: greedy and plain-temperature
+        batches sample from the slices (sampling/vocab_parallel.py), where every rank picks the same
+        tokens from the same exchanged pairs; others gather the whole rows, and every rank takes rank
+        0's tokens (a small collective queued on the stream, no host sync)."""
+        if self.vocab_slice is None:
+            return self.sampler.sample(logits, batch)
+        if self.sampler.samples_slices(batch, logits.dtype, logits.device):
+            return self.sampler.sample_slices(logits, batch, self.vocab_slice)
+        output = self.sampler.sample(all_gather_vocab(logits, self.vocab_size), batch)
         broadcast_from_first(output.token_ids)
         return output
 
     @torch.inference_mode()
-    def forward_logits(self, model_input: ModelInput) -> torch.Tensor | None:
+    def forward_logits(self, model_input: ModelInput, gather: bool = True) -> torch.Tensor | None:
         """Logits of the last token of each sampling chunk (None when no chunk samples); decode
-        batches, and one sequence's prefill, run through a CUDA graph when one is captured."""
-        hidden = self._forward_sampled(model_input)
-        return None if hidden is None else self.model.compute_logits(hidden)
-
-    def _forward_sampled(self, model_input: ModelInput) -> torch.Tensor | None:
-        """The final hidden states of the last token of each sampling chunk (None when no chunk samples)."""
+        batches, and one sequence's prefill, run through a CUDA graph when one is captured.
+        gather=False: under tensor parallelism, this rank's slice of them."""
         if self.kv_cache is None:
             raise RuntimeError("the KV cache is not initialised (InitCache first)")
         model_input = self._to_device(model_input)
@@ -258,7 +264,7 @@ class ModelRunner:
         hidden = self._forward(model_input.input_ids, model_input.positions, model_input.metadata)
         if not model_input.sampled_chunks:
             return None
-        return hidden[model_input.logits_indices]
+        return self.model.compute_logits(hidden[model_input.logits_indices], gather)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         for graphs in self.graphs:

@@ -359,6 +359,8 @@ def test_greedy_rows_from_slices_of_the_vocabulary(device: torch.device) -> None
         pairs.append(torch.stack([values, token_ids.float()], dim=1))
     assert torch.equal(pick_best(torch.stack(pairs)), logits.argmax(dim=-1))
     assert logits.argmax(dim=-1)[0] == 7
+    with pytest.raises(ValueError, match="no token"):  # 5 tokens over 4 ranks: 2, 2, 1, none
+        VocabSlice(6, 5 - 6, 5)
 
 
 def test_which_batches_sample_from_slices() -> None:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_service.distributed import all_gather_last_dim, all_reduce, partial_sum_buffer, tp_rank, tp_size
+from worker_service.distributed import all_gather_vocab, all_reduce, partial_sum_buffer, tp_rank, tp_size
 from worker_service.layers.linear import ShardId, attach_loader, check_shape
 
 
@@ -59,4 +59,4 @@ class LMHead(VocabParallelWeight):
         logits = F.linear(hidden, self.weight)
         if tp_size() == 1 or not gather:
             return logits
-        return all_gather_last_dim(logits)[..., :self.vocab_size].contiguous()
+        return all_gather_vocab(logits, self.vocab_size)

@@ -27,6 +27,10 @@ class VocabSlice:
     size: int
     vocab_size: int
 
+    def __post_init__(self) -> None:
+        if self.size <= 0:
+            raise ValueError(f"a vocabulary of {self.vocab_size} leaves no token to the rank starting at {self.start}")
+
     def own(self, logits: torch.Tensor) -> torch.Tensor:
         """The columns of real tokens (a view)."""
         return logits[:, :self.size]
