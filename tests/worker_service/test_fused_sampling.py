@@ -295,6 +295,8 @@ def test_bad_arguments_are_rejected() -> None:
     with pytest.raises(ValueError, match="empty"):
         gumbel_sample(logits[:, :0], inv, 0)
     assert gumbel_sample(logits[:0], inv[:0], 0).shape == (0,)
+    with pytest.raises(ValueError, match=r"columns \[5, 15\) outside a vocabulary of 12"):
+        gumbel_best(logits, inv, 0, column_offset=5, vocab_size=12)
 
 
 # --- the sampler ----------------------------------------------------------------------------------

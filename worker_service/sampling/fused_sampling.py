@@ -183,23 +183,9 @@ def gumbel_best(logits: torch.Tensor, inv_temperatures: torch.Tensor, seed: int,
     the whole vocabulary). Every column's noise is the one gumbel_sample gives it over the whole
     vocabulary, so the best of the slices' bests (highest score, lowest id on ties) is
     gumbel_sample's token: tensor parallelism samples from each rank's slice of the logits."""
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [num_rows, vocab_size], got shape {tuple(logits.shape)}")
+    _check_arguments(logits, inv_temperatures, seed, column_offset, vocab_size)
     num_rows, num_columns = logits.shape
-    if logits.dtype not in FUSED_SAMPLING_DTYPES:
-        raise ValueError(f"logits must be one of {FUSED_SAMPLING_DTYPES}, got {logits.dtype}")
-    if num_columns == 0:
-        raise ValueError("logits have an empty vocabulary")
     column_end = column_offset + num_columns
-    if not 0 <= column_offset < column_end <= vocab_size:
-        raise ValueError(f"columns [{column_offset}, {column_end}) outside a vocabulary of {vocab_size}")
-    if tuple(inv_temperatures.shape) != (num_rows,) or inv_temperatures.dtype != torch.float32:
-        raise ValueError(f"inv_temperatures must be [{num_rows}] float32, got {tuple(inv_temperatures.shape)} "
-                         f"{inv_temperatures.dtype}")
-    if inv_temperatures.device != logits.device:
-        raise ValueError(f"inv_temperatures on {inv_temperatures.device}, logits on {logits.device}")
-    if not 0 <= seed < 1 << 64:
-        raise ValueError(f"seed must fit in 64 unsigned bits, got {seed}")
     token_ids = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     values = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
     if num_rows == 0:
@@ -222,6 +208,27 @@ def gumbel_best(logits: torch.Tensor, inv_temperatures: torch.Tensor, seed: int,
         BLOCK_CHUNKS=REDUCE_BLOCK, num_warps=1,
     )
     return values, token_ids
+
+
+def _check_arguments(logits: torch.Tensor, inv_temperatures: torch.Tensor, seed: int, column_offset: int,
+                     vocab_size: int) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [num_rows, vocab_size], got shape {tuple(logits.shape)}")
+    num_rows, num_columns = logits.shape
+    if logits.dtype not in FUSED_SAMPLING_DTYPES:
+        raise ValueError(f"logits must be one of {FUSED_SAMPLING_DTYPES}, got {logits.dtype}")
+    if num_columns == 0:
+        raise ValueError("logits have an empty vocabulary")
+    column_end = column_offset + num_columns
+    if not 0 <= column_offset < column_end <= vocab_size:
+        raise ValueError(f"columns [{column_offset}, {column_end}) outside a vocabulary of {vocab_size}")
+    if tuple(inv_temperatures.shape) != (num_rows,) or inv_temperatures.dtype != torch.float32:
+        raise ValueError(f"inv_temperatures must be [{num_rows}] float32, got {tuple(inv_temperatures.shape)} "
+                         f"{inv_temperatures.dtype}")
+    if inv_temperatures.device != logits.device:
+        raise ValueError(f"inv_temperatures on {inv_temperatures.device}, logits on {logits.device}")
+    if not 0 <= seed < 1 << 64:
+        raise ValueError(f"seed must fit in 64 unsigned bits, got {seed}")
 
 
 def default_num_chunks(num_rows: int, vocab_size: int, device: torch.device) -> int:
