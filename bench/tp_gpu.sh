@@ -3,10 +3,11 @@
 #   check  bench/tp_check.py: float32 greedy TP=2 vs TP=1 (graphs, eager); bf16 teacher-forced
 #          top-1 at TP=2 vs transformers (random Qwen3-0.6B shapes)
 #   tp8b   reference workload on random Qwen3-8B shapes (bf16), in-process, TP=1 then TP=2, each
-#          followed by single-stream ITL; the TP=2 run ends with a torch.profiler summary
+#          followed by single-stream ITL; the TP=2 run ends with a torch.profiler summary; then TP=2
+#          again with every sum on NCCL (NANOVLLM_TP_SYMMETRIC_SUMS=0)
 #   dp     reference workload on random Qwen3-0.6B through gRPC: one worker, then two (one per GPU)
 #   bash bench/tp_gpu.sh check dp    # about 6 minutes
-#   bash bench/tp_gpu.sh tp8b        # about 7 minutes
+#   bash bench/tp_gpu.sh tp8b        # about 3 minutes
 # Logs and JSON go to $OUT (or ./out); the last lines are a table (bench/tp_summary.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +33,9 @@ for s in ${@:-check tp8b dp}; do
              | grep --line-buffered -v Warn | tee "$OUT/tp_check.log" | tail -6 ;;
     tp8b) bench tp1-8b 220 --model random-qwen3-8b --modes inprocess --tensor-parallel-size 1 --itl-tokens 256
           bench tp2-8b 200 --model random-qwen3-8b --modes inprocess --tensor-parallel-size 2 --itl-tokens 256 \
-            --torch-profile "$OUT/profile-tp2-8b.txt" ;;
+            --torch-profile "$OUT/profile-tp2-8b.txt"
+          NANOVLLM_TP_SYMMETRIC_SUMS=0 bench tp2-8b-nccl 200 --model random-qwen3-8b --modes inprocess \
+            --tensor-parallel-size 2 --itl-tokens 256 ;;
     dp) bench dp1-0.6b 120 --modes grpc --num-workers 1
         bench dp2-0.6b 120 --modes grpc --num-workers 2 ;;
     *) echo "unknown stage $s" ;;

@@ -8,6 +8,7 @@ from pathlib import Path
 from common import SamplingParams
 
 PROMPT_LEN = 128
+COLLECTIVE_WORDS = ("nccl", "all_reduce", "allreduce")  # in the names of the collectives' kernels
 
 
 def single_stream_latency(llm, num_tokens: int) -> dict:
@@ -27,7 +28,7 @@ def single_stream_latency(llm, num_tokens: int) -> dict:
 
 def profile_decode(llm, path: str, num_seqs: int = 64, num_tokens: int = 64) -> dict:
     """Profiles num_seqs requests of num_tokens (mostly decode steps); writes the kernel table to
-    path and returns the device time of collectives (NCCL kernels) and of everything else."""
+    path and returns the kernel time of the collectives (NCCL's, symmetric memory's) and of everything else."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -45,8 +46,10 @@ def profile_decode(llm, path: str, num_seqs: int = 64, num_tokens: int = 64) -> 
     def device_us(event) -> float:
         return float(getattr(event, "self_device_time_total", 0) or getattr(event, "self_cuda_time_total", 0))
 
-    kernels = [e for e in events if device_us(e) > 0]
-    collectives = sum(device_us(e) for e in kernels if "nccl" in e.key.lower())
+    # Kernels only (operator rows carry their kernels' time again); the sums' kernels are NCCL's or
+    # symmetric memory's (two_shot_all_reduce_kernel).
+    kernels = [e for e in events if device_us(e) > 0 and e.device_type == torch.autograd.DeviceType.CUDA]
+    collectives = sum(device_us(e) for e in kernels if any(word in e.key.lower() for word in COLLECTIVE_WORDS))
     total = sum(device_us(e) for e in kernels)
     sort_key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
     Path(path).write_text(events.table(sort_by=sort_key, row_limit=30))

@@ -40,7 +40,7 @@ def main(folder: Path) -> None:
             if key in teacher:
                 print(f"{'bf16 teacher-forced top-1, ' + label:44} {teacher[key]:>30.4f}")
     rates = {}
-    for tp, name in ((1, "tp1-8b"), (2, "tp2-8b")):
+    for tp, name in ((1, "tp1-8b"), (2, "tp2-8b"), ("2, sums on NCCL", "tp2-8b-nccl")):
         found = _throughput(_load(folder, name), "inprocess")
         if found is None:
             continue
@@ -54,8 +54,9 @@ def main(folder: Path) -> None:
             prof = entry["profile"]
             value = f"{prof['collectives_ms']:.1f} of {prof['device_total_ms']:.1f} ms kernels"
             print(f"{f'8B TP={tp} decode profile, collectives':44} {value:>30}")
-    if 1 in rates and 2 in rates:
-        print(f"{'8B TP=2 / TP=1 throughput':44} {rates[2] / rates[1]:>30.2f}")
+    for tp in (2, "2, sums on NCCL"):
+        if 1 in rates and tp in rates:
+            print(f"{f'8B TP={tp} / TP=1 throughput':44} {rates[tp] / rates[1]:>30.2f}")
     dp = {}
     for workers in (1, 2):
         found = _throughput(_load(folder, f"dp{workers}-0.6b"), "grpc")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import logging
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,8 @@ class ParallelState:
 
 
 logger = logging.getLogger(__name__)
+# Set to 0, every sum goes through NCCL: an escape hatch, and the A/B of bench/tp_gpu.sh.
+SYMMETRIC_SUMS_ENV = "NANOVLLM_TP_SYMMETRIC_SUMS"
 _state: ParallelState | None = None
 # torch 2.13 renames all_gather_into_tensor (same arguments); the GPU machine runs 2.11.
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -132,11 +135,13 @@ def init_symmetric_sum(max_rows: int, hidden_size: int, dtype: torch.dtype, devi
     """Gives all_reduce a symmetric-memory buffer for sums of up to max_rows x hidden_size, when every
     rank can have one: GPU ranks that reach each other's memory, in a process that built none
     before (torch keeps a group's symmetric-memory state by group name, and a second group of the
-    same name in one process, as tests and benchmarks build, waited forever on the first one's).
+    same name in one process, as tests and benchmarks build, waited forever on the first one's),
+    unless NANOVLLM_TP_SYMMETRIC_SUMS=0.
     A collective: every rank calls it at the same point, once the group exists."""
     if tp_size() == 1:
         return
-    usable = device.type == "cuda" and not _SymmetricSum.built_in_this_process and all(
+    usable = os.environ.get(SYMMETRIC_SUMS_ENV, "1") != "0" and device.type == "cuda" \
+        and not _SymmetricSum.built_in_this_process and all(
         torch.cuda.can_device_access_peer(device, peer) for peer in range(tp_size()) if peer != device.index)
     if min_over_ranks(int(usable), device):
         _SymmetricSum.instance = _SymmetricSum(max_rows * hidden_size, dtype, device)
