@@ -83,7 +83,7 @@ def variants() -> list[Variant]:
                 dict(inv_temperatures_ptr="fp32", partial_value_ptr="fp32", partial_column_ptr="i64"),
                 int64s=("seed",)),
         Variant("reduce chunks", _reduce_chunks_kernel, dict(BLOCK_CHUNKS=32),
-                dict(partial_value_ptr="fp32", partial_column_ptr="i64", token_ids_ptr="i64"),
+                dict(partial_value_ptr="fp32", partial_column_ptr="i64", token_ids_ptr="i64", values_ptr="fp32"),
                 options=dict(num_warps=1)),
     ]
     # Qwen3-0.6B's decode projections (gate_up, down with K past its block, qkv with a bias) at 1, 4 and
