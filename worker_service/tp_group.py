@@ -3,7 +3,10 @@
 
 The group lives and dies as one: if any other rank exits, rank 0 exits at once (its server goes
 with it, so the scheduler sees a lost worker and recomputes its requests); if rank 0 dies, the
-others see their pipe from it close and exit.
+others see their pipe from it close and exit. A request that fails on rank 0 while another rank is
+gone (its collectives see the closed connection, often before the watch thread sees the exit)
+takes the group down the same way, rather than answering an error the scheduler would hold
+against the step's requests.
 """
 from __future__ import annotations
 
@@ -12,6 +15,9 @@ import logging
 import multiprocessing
 import os
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import wait
 
 import torch
@@ -29,6 +35,8 @@ from worker_service.tp_follower import run_follower, start_rank
 from worker_service.worker import PendingStep, WorkerCore
 
 logger = logging.getLogger(__name__)
+# After a request failed on rank 0, how long another rank's exit may take to show.
+RANK_EXIT_WAIT_S = 5.0
 
 
 def create_worker_core(config: WorkerConfig) -> WorkerCore | TensorParallelCore:
@@ -107,19 +115,35 @@ class TensorParallelCore:
         return self.core.describe()
 
     def init_cache(self, request: worker_pb2.InitCacheRequest) -> worker_pb2.InitCacheResponse:
-        with self._lock:
-            step_channel.send(MessageKind.INIT_CACHE, request.SerializeToString())
+        with self._on_every_rank(MessageKind.INIT_CACHE, request.SerializeToString()):
             return self.core.init_cache(request)
 
     def release(self, request: worker_pb2.ReleaseRequest) -> worker_pb2.ReleaseResponse:
-        with self._lock:
-            step_channel.send(MessageKind.RELEASE, request.SerializeToString())
+        with self._on_every_rank(MessageKind.RELEASE, request.SerializeToString()):
             return self.core.release(request)
 
     def launch(self, request: worker_pb2.StepRequest) -> PendingStep:
-        with self._lock:
-            step_channel.send(MessageKind.STEP, request.SerializeToString())
+        with self._on_every_rank(MessageKind.STEP, request.SerializeToString()):
             return self.core.launch(request)
+
+    @contextmanager
+    def _on_every_rank(self, kind: MessageKind, payload: bytes) -> Iterator[None]:
+        """Passes the message to the other ranks, then runs the block (rank 0's part) in message order.
+        A failure other than a rejected request (ValueError, raised alike on every rank) while another
+        rank is gone or going is the loss of the group."""
+        with self._lock:
+            try:
+                step_channel.send(kind, payload)
+                yield
+            except ValueError:
+                raise
+            except Exception:
+                deadline = time.monotonic() + RANK_EXIT_WAIT_S
+                for process in self._followers:
+                    process.join(timeout=max(0.0, deadline - time.monotonic()))
+                    if not process.is_alive():
+                        self._go_down(process)
+                raise
 
     def close(self) -> None:
         """Stops the other ranks and leaves the group."""
@@ -154,12 +178,16 @@ class TensorParallelCore:
     def _exit_when_a_rank_dies(self) -> None:
         sentinels = {process.sentinel: process for process in self._followers}
         ready = wait(list(sentinels))
-        if self._closing:
-            return
         process = sentinels[ready[0]]  # type: ignore[index]
         process.join()
-        # Rank 0 may be blocked in a collective that will never complete: leave at once, so that
-        # the server's socket closes and the scheduler recovers the requests elsewhere or later.
+        self._go_down(process)
+
+    def _go_down(self, process: multiprocessing.process.BaseProcess) -> None:
+        """The whole group exits, process (another rank) being gone. Rank 0 may be blocked in a
+        collective that will never complete: it leaves at once, so that the server's socket closes
+        and the scheduler recovers the requests elsewhere or later."""
+        if self._closing:
+            return
         logger.error("tensor-parallel %s exited with code %s; the worker group goes down", process.name,
                      process.exitcode)
         for other in self._followers:
