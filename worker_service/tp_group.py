@@ -15,7 +15,6 @@ import logging
 import multiprocessing
 import os
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import wait
@@ -138,11 +137,11 @@ class TensorParallelCore:
             except ValueError:
                 raise
             except Exception:
-                deadline = time.monotonic() + RANK_EXIT_WAIT_S
-                for process in self._followers:
-                    process.join(timeout=max(0.0, deadline - time.monotonic()))
-                    if not process.is_alive():
-                        self._go_down(process)
+                sentinels = {process.sentinel: process for process in self._followers}
+                for gone in wait(list(sentinels), timeout=RANK_EXIT_WAIT_S):
+                    process = sentinels[gone]  # type: ignore[index]
+                    process.join()
+                    self._go_down(process)
                 raise
 
     def close(self) -> None:
