@@ -32,14 +32,19 @@ def generate(model: str, batch: list[list[int]], tensor_parallel_size: int, enfo
     """The tokens (float32), and how rank 0 summed the layers' partial results."""
     from common import SamplingParams
     from offline import LLM
-    from worker_service.distributed import sums_in_symmetric_memory
 
     params = SamplingParams(temperature=temperature, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     with LLM(model, device="cuda", dtype="float32", block_size=16, num_kv_blocks=512, max_num_seqs=16,
              max_num_batched_tokens=512, enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size) as llm:
         tokens = [r["token_ids"] for r in llm.generate(batch, params, use_tqdm=False)]
-        sums = "symmetric memory" if sums_in_symmetric_memory() else "NCCL" if tensor_parallel_size > 1 else "none"
-    return tokens, sums
+        return tokens, sums_path() if tensor_parallel_size > 1 else "none"
+
+
+def sums_path() -> str:
+    """How this rank's group sums the layers' partial results."""
+    from worker_service.distributed import sums_in_symmetric_memory
+
+    return "symmetric memory" if sums_in_symmetric_memory() else "NCCL"
 
 
 def _teacher_forced_rank(rank: int, model: str, sequences: list[tuple[list[int], int]], address: str,
@@ -48,15 +53,14 @@ def _teacher_forced_rank(rank: int, model: str, sequences: list[tuple[list[int],
     decode steps, as tests/worker_service/test_gpu_model.py does on one GPU)."""
     sys.path.insert(0, str(REPO_ROOT))
     from tests.worker_service.test_gpu_model import teacher_forced_logits
-    from worker_service.distributed import destroy_tensor_parallel, init_tensor_parallel, sums_in_symmetric_memory
+    from worker_service.distributed import destroy_tensor_parallel, init_tensor_parallel
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     init_tensor_parallel(rank, 2, address, device)
     logits = [teacher_forced_logits(Path(model), tokens, prompt_len) for tokens, prompt_len in sequences]
     if rank == 0:
-        sums = "symmetric memory" if sums_in_symmetric_memory() else "NCCL"
-        torch.save({"logits": torch.cat(logits), "sums": sums}, out_path)
+        torch.save({"logits": torch.cat(logits), "sums": sums_path()}, out_path)
     destroy_tensor_parallel()
 
 

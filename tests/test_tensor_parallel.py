@@ -55,6 +55,19 @@ def test_two_ranks_generate_as_one(name: str, tmp_path: Path) -> None:
     assert llm.engine.block_manager.num_free_blocks == OPTIONS["num_kv_blocks"]
 
 
+def test_batches_that_need_whole_rows_gather_the_logits(tmp_path: Path) -> None:
+    """Greedy rows asking for log-probabilities sample from the gathered logits (not from each rank's
+    slice): the same tokens as one process, the padding after the second rank's tokens dropped."""
+    spec = dict(MODELS["llama-h8-kv1-tied-v509"])
+    path = make_tiny_checkpoint(tmp_path, spec.pop("arch"), seed=7, **spec)
+    prompts = make_prompts(seed=7, vocab_size=spec["vocab_size"])
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    with LLM(str(path), **OPTIONS) as llm:
+        expected = token_ids(llm.generate(prompts, params, use_tqdm=False))
+    with LLM(str(path), **OPTIONS, tensor_parallel_size=2) as llm:
+        assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == expected
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("tp"), "qwen3", num_heads=4, num_kv_heads=2, head_dim=16,

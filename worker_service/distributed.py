@@ -148,17 +148,13 @@ def init_symmetric_sum(max_rows: int, hidden_size: int, dtype: torch.dtype, devi
     logger.info("tensor-parallel sums: %s", "symmetric memory, two-shot" if _SymmetricSum.instance else "NCCL")
 
 
-def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
-    """[..., d] on every rank -> [..., world_size * d], rank order, on every rank."""
-    if tp_size() == 1:
-        return x
-    return all_gather_rows(x).movedim(0, -2).reshape(*x.shape[:-1], tp_size() * x.shape[-1])
-
-
 def all_gather_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Every rank's slice of the vocabulary's logits [..., rows per rank] -> the whole rows
-    [..., vocab_size] (the last rank's padding dropped), on every rank."""
-    return all_gather_last_dim(logits)[..., :vocab_size].contiguous()
+    """Every rank's slice of the vocabulary's logits [n, rows per rank] -> the whole rows
+    [n, vocab_size] (ranks in order, the last rank's padding dropped), on every rank."""
+    if tp_size() == 1:
+        return logits
+    whole = all_gather_rows(logits).movedim(0, 1).reshape(logits.shape[0], -1)
+    return whole[:, :vocab_size].contiguous()
 
 
 def all_gather_rows(x: torch.Tensor) -> torch.Tensor:

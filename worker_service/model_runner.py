@@ -87,8 +87,7 @@ class ModelRunner:
                            self.dtype, self.device)
         self.sampler = Sampler(seed=config.seed)
         head = self.model.lm_head
-        self.vocab_slice = VocabSlice(head.vocab_start, min(head.rows_per_rank, self.vocab_size - head.vocab_start),
-                                      self.vocab_size) if tp_size() > 1 else None
+        self.vocab_slice = VocabSlice(head.vocab_start, head.own_rows, self.vocab_size) if tp_size() > 1 else None
         attention = self.model.attention_layers()[0]  # its head counts are this rank's
         self.num_heads, self.num_kv_heads = attention.num_heads, attention.num_kv_heads
         self.kv_spec = KVCacheSpec(self.model_config.num_layers, config.block_size,

@@ -26,9 +26,13 @@ class VocabParallelWeight(nn.Module):
         if shard_id is not None:
             raise ValueError(f"unfused parameter got shard {shard_id!r}")
         check_shape(loaded, (self.vocab_size, self.hidden_size), "weight")
-        num_rows = max(0, min(self.rows_per_rank, self.vocab_size - self.vocab_start))
-        param.data[:num_rows].copy_(loaded[self.vocab_start:self.vocab_start + num_rows])
-        param.data[num_rows:].zero_()
+        param.data[:self.own_rows].copy_(loaded[self.vocab_start:self.vocab_start + self.own_rows])
+        param.data[self.own_rows:].zero_()
+
+    @property
+    def own_rows(self) -> int:
+        """How many of this rank's rows are tokens (the last rank's tail is zero padding)."""
+        return max(0, min(self.rows_per_rank, self.vocab_size - self.vocab_start))
 
 
 class VocabEmbedding(VocabParallelWeight):

@@ -124,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
     forward(input_ids [num_tokens], positions [num_tokens], metadata) -> hidden [num_tokens, hidden_size];
     compute_logits(hidden [n, hidden_size]) -> logits [n, vocab_size] in the model dtype, on whichever
     rows the caller selected (usually the last token of each sequence); with gather=False and
-    several ranks, this rank's columns of them (lm_head.rows_per_rank, from lm_head.vocab_start).
+    several ranks, this rank's columns of them (lm_head.own_rows tokens from lm_head.vocab_start).
     """
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
