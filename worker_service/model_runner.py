@@ -11,7 +11,7 @@ from common.checkpoint import find_gguf_file
 from common.config import WorkerConfig
 from worker_service.attention import default_backend_name, get_attention_backend
 from worker_service.attention.base import AttentionMetadata
-from worker_service.attention.kv_quant import SCALE_DTYPE, is_fp8, kv_cache_torch_dtype
+from worker_service.attention.kv_quant import SCALE_DTYPE, allocate_scales, is_fp8, kv_cache_torch_dtype
 from worker_service.batch import ModelInput, build_model_input, sampling_rows
 from worker_service.cpu_quantization import resolve_cpu_weight_format
 from worker_service.cuda_graphs import DecodeGraphs, PrefillGraphs
@@ -183,8 +183,8 @@ class ModelRunner:
         self.kv_cache = allocate((spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
                                  dtype=spec.dtype, device=self.device)
         if is_fp8(spec.dtype):
-            self.kv_scales = allocate((spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads),
-                                      dtype=SCALE_DTYPE, device=self.device)
+            self.kv_scales = allocate_scales(allocate, (spec.num_layers, 2, num_blocks), spec.block_size,
+                                             spec.num_kv_heads, self.device)
         self._attach_cache()
         self.num_kv_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, spec.block_size,

@@ -59,7 +59,7 @@ def variants() -> list[Variant]:
     result = [
         Variant(f"decode split={is_split} fp8={fp8}", _decode_kernel,
                 dict(cache, GROUP=2, BLOCK_H=16, BLOCK_N=128 if fp8 else 64, IS_SPLIT=is_split, DOT_PRECISION="tf32",
-                     IS_FP8=fp8),
+                     IS_FP8=fp8, WIDEN_V_IN_REGISTERS=fp8),
                 dict(tables, partial_out_ptr="fp32", partial_lse_ptr="fp32", **kv_types[fp8]),
                 ("scale_log2",), options=dict(num_warps=4, num_stages=3))
         for fp8 in (False, True) for is_split in (False, True)

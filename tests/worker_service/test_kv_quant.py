@@ -9,7 +9,14 @@ import torch
 from common.config import WorkerConfig
 from worker_service.attention import get_attention_backend
 from worker_service.attention.base import AttentionMetadata
-from worker_service.attention.kv_quant import FP8_DTYPE, dequantize, head_scales, kv_cache_torch_dtype, quantize
+from worker_service.attention.kv_quant import (
+    FP8_DTYPE,
+    allocate_scales,
+    dequantize,
+    head_scales,
+    kv_cache_torch_dtype,
+    quantize,
+)
 from worker_service.model_runner import KVCacheSpec
 
 
@@ -45,6 +52,13 @@ def test_fp8_block_holds_about_half_the_bytes_of_bf16() -> None:
     assert bf16.bytes_per_block / fp8.bytes_per_block > 1.93
 
 
+def test_one_heads_scales_of_consecutive_tokens_are_adjacent() -> None:
+    """The decode kernel reads one head's scales for a tile of tokens: one coalesced read."""
+    scales = allocate_scales(torch.zeros, (3, 5), 16, 4, "cpu")
+    assert scales.shape == (3, 5, 16, 4)
+    assert scales.stride()[-2:] == (1, 16)
+
+
 def test_torch_backend_over_fp8_is_attention_over_the_dequantized_cache() -> None:
     """Two sequences (a chunk over a cached prefix, and a one-token decode) store K/V into an fp8
     cache; attention equals the same backend's over a float32 cache holding the dequantized values."""
@@ -55,7 +69,7 @@ def test_torch_backend_over_fp8_is_attention_over_the_dequantized_cache() -> Non
     tables = torch.tensor([[3, 5, 0], [6, 1, 0]], dtype=torch.int32)
     shape = (num_blocks, block_size, kv_heads, head_dim)
     k8, v8 = torch.zeros(shape, dtype=FP8_DTYPE), torch.zeros(shape, dtype=FP8_DTYPE)
-    k_scale, v_scale = torch.zeros(shape[:3]), torch.zeros(shape[:3])
+    k_scale, v_scale = (allocate_scales(torch.zeros, (num_blocks,), block_size, kv_heads, "cpu") for _ in range(2))
     # The whole context is written through store_kv, as prefill steps would have.
     slots = torch.cat([torch.tensor([int(tables[s, p // block_size]) * block_size + p % block_size
                                      for p in range(n)]) for s, n in enumerate(seq_lens)])
@@ -68,7 +82,7 @@ def test_torch_backend_over_fp8_is_attention_over_the_dequantized_cache() -> Non
     backend.store_kv(k, v, k8, v8, metadata, k_scale, v_scale)
     stored = k8.view(torch.uint8).view(-1, kv_heads, head_dim)[slots]
     assert torch.equal(stored, quantize(k, head_scales(k)).view(torch.uint8))
-    assert torch.equal(k_scale.view(-1, kv_heads)[slots], head_scales(k))
+    assert torch.equal(k_scale.reshape(-1, kv_heads)[slots], head_scales(k))
     k32, v32 = dequantize(k8, k_scale), dequantize(v8, v_scale)
     q = torch.randn(10, heads, head_dim, generator=generator)
     decode = AttentionMetadata(slot_mapping=slots[:2], query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),

@@ -29,7 +29,13 @@ from tests.worker_service.test_triton_attention import (  # noqa: E402
     reference,
     small,
 )
-from worker_service.attention.kv_quant import FP8_DTYPE, dequantize, head_scales, quantize  # noqa: E402
+from worker_service.attention.kv_quant import (  # noqa: E402
+    FP8_DTYPE,
+    allocate_scales,
+    dequantize,
+    head_scales,
+    quantize,
+)
 from worker_service.attention.triton_decode import choose_num_splits, paged_decode  # noqa: E402
 from worker_service.attention.triton_prefill import paged_prefill  # noqa: E402
 from worker_service.attention.triton_rope_store import rope_and_store  # noqa: E402
@@ -52,10 +58,18 @@ def assert_quantized(stored: torch.Tensor, scales: torch.Tensor, x: torch.Tensor
     assert differs.float().mean().item() < 0.1, f"{what}: {int(differs.sum())} of {differs.numel()} values differ"
 
 
+def worker_scales(cache_shape: tuple[int, ...], fill: float) -> torch.Tensor:
+    """Scales of a cache [num_blocks, block_size, num_kv_heads, head_dim] laid out as the worker
+    allocates them (kv_quant.allocate_scales), filled with fill."""
+    num_blocks, block_size, num_kv_heads = cache_shape[:3]
+    return allocate_scales(torch.empty, (num_blocks,), block_size, num_kv_heads, DEVICE).fill_(fill)
+
+
 def fp8_batch(batch: PagedBatch) -> tuple[PagedBatch, tuple[torch.Tensor, torch.Tensor], PagedBatch]:
     """The batch with its caches quantized to fp8, their scales, and the same batch over the
     dequantized caches (float32, what the reference attends over)."""
-    k_scale, v_scale = head_scales(batch.k_cache), head_scales(batch.v_cache)
+    k_scale = worker_scales(batch.k_cache.shape, 0.0).copy_(head_scales(batch.k_cache))
+    v_scale = worker_scales(batch.v_cache.shape, 0.0).copy_(head_scales(batch.v_cache))
     k8, v8 = quantize(batch.k_cache, k_scale), quantize(batch.v_cache, v_scale)
     quantized = PagedBatch(batch.q, k8, v8, batch.block_tables, batch.seq_lens, batch.query_lens)
     dequantized = PagedBatch(batch.q, dequantize(k8, k_scale), dequantize(v8, v_scale), batch.block_tables,
@@ -73,18 +87,18 @@ def test_store_kv_quantizes_like_torch() -> None:
     slots[1] = -1
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     caches = [torch.zeros(shape, dtype=FP8_DTYPE, device=DEVICE) for _ in range(2)]
-    scales = [torch.full(shape[:3], -1.0, device=DEVICE) for _ in range(2)]
+    scales = [worker_scales(shape, -1.0) for _ in range(2)]
     store_kv(k, v, caches[0], caches[1], slots.to(DEVICE), scales[0], scales[1])
     keep = slots >= 0
     for index, (name, new) in enumerate((("k", k), ("v", v))):
         flat = caches[index].view(-1, num_kv_heads, head_dim)
-        flat_scales = scales[index].view(-1, num_kv_heads)
+        flat_scales = scales[index].reshape(-1, num_kv_heads)
         kept = slots[keep].to(DEVICE)
         assert_quantized(flat[kept], flat_scales[kept], new[keep.to(DEVICE)], f"store {name}")
         unwritten = torch.ones(flat_scales.shape[0], dtype=torch.bool)
         unwritten[slots[keep]] = False
         assert (flat_scales[unwritten.to(DEVICE)] == -1).all(), f"{name}: scales written outside the slots"
-    assert scales[0].view(-1, num_kv_heads)[slots[2], 1].item() == 1.0
+    assert scales[0].reshape(-1, num_kv_heads)[slots[2], 1].item() == 1.0
 
 
 @pytest.mark.parametrize("has_norm", [True, False])
@@ -103,14 +117,14 @@ def test_rope_and_store_quantizes_what_it_stores_unquantized(has_norm: bool) -> 
     shape = (num_blocks, block_size, kv_heads, head_dim)
     low = [torch.zeros(shape, dtype=LOW, device=DEVICE) for _ in range(2)]
     fp8 = [torch.zeros(shape, dtype=FP8_DTYPE, device=DEVICE) for _ in range(2)]
-    scales = [torch.zeros(shape[:3], device=DEVICE) for _ in range(2)]
+    scales = [worker_scales(shape, 0.0) for _ in range(2)]
     q_low = rope_and_store(q, k, v, positions, cos, sin, *low, slots, q_norm_weight=norm, k_norm_weight=norm)
     q_fp8 = rope_and_store(q, k, v, positions, cos, sin, *fp8, slots, q_norm_weight=norm, k_norm_weight=norm,
                            k_scale=scales[0], v_scale=scales[1])
     assert torch.equal(q_fp8, q_low), "q does not depend on the cache dtype"
     for index, name in enumerate("kv"):
         stored = fp8[index].view(-1, kv_heads, head_dim)[slots]
-        assert_quantized(stored, scales[index].view(-1, kv_heads)[slots],
+        assert_quantized(stored, scales[index].reshape(-1, kv_heads)[slots],
                          low[index].view(-1, kv_heads, head_dim)[slots], f"rope+store {name}")
 
 

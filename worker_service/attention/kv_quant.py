@@ -24,6 +24,8 @@ bench/fp8_kv_quality.py measures it.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -43,6 +45,17 @@ def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 def is_fp8(dtype: torch.dtype) -> bool:
     return dtype == FP8_DTYPE
+
+
+def allocate_scales(allocate: Callable[..., torch.Tensor], leading_shape: tuple[int, ...], block_size: int,
+                    num_kv_heads: int, device: torch.device | str) -> torch.Tensor:
+    """Scales [*leading_shape, block_size, num_kv_heads] (float32; leading_shape ends with num_blocks)
+    stored head by head within a block: one head's scales of consecutive tokens are adjacent floats, so
+    a kernel's tile of one head's scales is one coalesced read, not one float in every num_kv_heads
+    (5-8 % of the fp8 decode kernel's time, bench/results/2026-12-01-h200-fp8-decode-variants.txt).
+    The kernels and the torch backend take any strides; this is the one place that picks them."""
+    storage = allocate((*leading_shape, num_kv_heads, block_size), dtype=SCALE_DTYPE, device=device)
+    return storage.transpose(-1, -2)
 
 
 def head_scales(x: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,8 @@ class TorchAttentionBackend(AttentionBackend):
             # CPU torch cannot index_copy_ float8 tensors; copying the bits as uint8 is the same.
             stored = quantize(new, scales).view(torch.uint8)
             cache.view(torch.uint8).view(-1, num_kv_heads, head_dim).index_copy_(0, slots, stored)
-            scale_cache.view(-1, num_kv_heads).index_copy_(0, slots, scales)
+            block_size = cache.shape[1]
+            scale_cache[slots // block_size, slots % block_size] = scales  # any layout (kv_quant.allocate_scales)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
                scale: float, k_scale: torch.Tensor | None = None,

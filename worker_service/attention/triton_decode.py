@@ -6,8 +6,8 @@ per query head, and streams its share of the sequence's context through the bloc
 of BLOCK_N tokens x head_dim (each token's head_dim row is contiguous: 16-byte, coalesced loads).
 Scores and the online softmax are float32 in the log2 domain (log2(e) folded into the scale, exp2).
 An fp8 cache (kv_quant) is widened to float16 on load (one conversion instruction per two values
-on sm_89+; with 128-token tiles measured faster than widening to bfloat16, though not with 64:
-bench/results/2026-11-30-h200-attention-fp8-sweep-63dc9f8.txt),
+on sm_89+, V's in registers: triton_common.widen_fp8_in_registers; with 128-token tiles measured
+faster than widening to bfloat16, though not with 64: bench/results/2026-11-30-h200-attention-fp8-sweep-63dc9f8.txt),
 with q's rows divided by their largest magnitude into float16's range: each score column is then
 multiplied by its token's K scale (and each row by its q scale), and each probability column by
 its token's V scale relative to the tile's largest before the second dot (so no probability that
@@ -35,6 +35,7 @@ from worker_service.attention.triton_common import (
     dot_precision,
     num_sms,
     scale_operands,
+    widen_fp8_in_registers,
 )
 from worker_service.attention.triton_paging import load_page_ids, token_offsets
 
@@ -63,6 +64,7 @@ def _decode_kernel(
     stride_pl_seq, stride_pl_head,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, IS_FP8: tl.constexpr,
+    WIDEN_V_IN_REGISTERS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -114,7 +116,7 @@ def _decode_kernel(
             k_scales = tl.load(k_scale_head + scale_rows, mask=col_mask, other=0.0)
             v_scales = tl.load(v_scale_head + scale_rows, mask=col_mask, other=0.0)
             scores = scores * k_scales[None, :]
-        v = v.to(q.dtype)
+        v = widen_fp8_in_registers(v) if WIDEN_V_IN_REGISTERS else v.to(q.dtype)
         scores = tl.where(col_mask[None, :], scores, float("-inf"))
         # Every tile holds at least one real token (start < end), so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -243,6 +245,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, IS_SPLIT=is_split,
         DOT_PRECISION=dot_precision(compute_dtype(q, k_cache)), IS_FP8=is_fp8(k_cache.dtype),
+        WIDEN_V_IN_REGISTERS=is_fp8(k_cache.dtype) and q.is_cuda,  # inline PTX: not under the CPU interpreter
         num_warps=num_warps, num_stages=num_stages,
     )
     if is_split:
