@@ -104,9 +104,18 @@ def _gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: t
     num_blocks = -(-seq_len // block_size)
     blocks = block_table[:num_blocks].long()
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-    v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    k = _gather_blocks(k_cache, blocks).reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    v = _gather_blocks(v_cache, blocks).reshape(-1, num_kv_heads, head_dim)[:seq_len]
     return k, v
+
+
+def _gather_blocks(cache: torch.Tensor | _Dequantized, blocks: torch.Tensor) -> torch.Tensor:
+    """cache[blocks] for block ids of any shape, through index_select: on a CPU several times
+    faster than indexing with a tensor (the default model's K of one 1,000-token sequence in blocks
+    of 16: 156 -> 31 us; done twice a layer a step)."""
+    if isinstance(cache, _Dequantized):
+        return cache[blocks]
+    return torch.index_select(cache, 0, blocks.reshape(-1)).view(*blocks.shape, *cache.shape[1:])
 
 
 def _batched_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
@@ -120,8 +129,8 @@ def _batched_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     max_len = max(seq_lens)
     num_blocks = -(-max_len // metadata.block_size)
     blocks = metadata.block_tables[:, :num_blocks].long()
-    k = k_cache[blocks].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].float()
-    v = v_cache[blocks].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].float()
+    k = _gather_blocks(k_cache, blocks).reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].float()
+    v = _gather_blocks(v_cache, blocks).reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].float()
     is_padding = None
     if min(seq_lens) < max_len:
         is_padding = torch.arange(max_len, device=q.device)[None, :] >= torch.tensor(seq_lens, device=q.device)[:, None]
