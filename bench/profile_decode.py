@@ -2,7 +2,7 @@
 in-process under torch.profiler and prints the wall time, the GPU's busy time (the sum of kernel
 times: one stream, so kernels do not overlap), and the kernels that take the most device time.
 
-    python bench/profile_decode.py [--num-seqs 256] [--max-len 1024] [--num-decode-steps 4]
+    python bench/profile_decode.py [--num-seqs 256] [--max-len 1024] [--num-decode-steps 4] [--kv-cache-dtype fp8]
 """
 from __future__ import annotations
 
@@ -31,9 +31,11 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=40)
     parser.add_argument("--bins", type=int, default=20, help="slices of the run in the idle timeline")
     parser.add_argument("--work-dir", default="/tmp/nanovllm-bench")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8")
     args = parser.parse_args()
     model = make_random_checkpoint(Path(args.work_dir) / "random-qwen3-0.6b")
-    llm = LLM(str(model), max_model_len=4096, num_decode_steps=args.num_decode_steps)
+    llm = LLM(str(model), max_model_len=4096, num_decode_steps=args.num_decode_steps,
+              kv_cache_dtype=args.kv_cache_dtype)
     prompts, max_tokens = bench_workload(args.num_seqs, args.max_len, args.max_len)
     params = [SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True) for m in max_tokens]
     llm.generate(prompts[:8], params[:8], use_tqdm=False)
