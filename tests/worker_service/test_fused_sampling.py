@@ -382,7 +382,9 @@ def test_fused_step_has_no_host_sync() -> None:
     assert torch.equal(out.token_ids[1::2], logits[1::2].argmax(dim=-1))
 
 
-@pytest.mark.parametrize("bounds", [[0, 40_000, 151_936], [0, 75_968, 151_936], [0, 4096, 5000, 151_936]])
+# Slices that start inside a tile of the kernel (4,096 columns) and on a tile's edge, over a smaller
+# vocabulary than Qwen3's so that the CPU interpreter runs each case in seconds.
+@pytest.mark.parametrize("bounds", [[0, 7_000, 20_000], [0, 10_000, 20_000], [0, 4096, 5000, 20_000]])
 def test_slices_of_the_vocabulary_give_the_whole_rows_tokens(bounds: list[int]) -> None:
     """Tensor parallelism samples from each rank's slice of the logits (gumbel_best with the slice's
     first id) and keeps the best of the slices' bests (vocab_parallel.pick_best): the same tokens as
