@@ -137,11 +137,7 @@ class TensorParallelCore:
             except ValueError:
                 raise
             except Exception:
-                sentinels = {process.sentinel: process for process in self._followers}
-                for gone in wait(list(sentinels), timeout=RANK_EXIT_WAIT_S):
-                    process = sentinels[gone]  # type: ignore[index]
-                    process.join()
-                    self._go_down(process)
+                self._go_down_when_a_rank_exits(timeout=RANK_EXIT_WAIT_S)
                 raise
 
     def close(self) -> None:
@@ -175,11 +171,16 @@ class TensorParallelCore:
                 process.kill()
 
     def _exit_when_a_rank_dies(self) -> None:
+        self._go_down_when_a_rank_exits(timeout=None)
+
+    def _go_down_when_a_rank_exits(self, timeout: float | None) -> None:
+        """Waits up to timeout seconds (None: for ever) for another rank to exit; if one does, the
+        group goes down (_go_down does not return unless the group is closing)."""
         sentinels = {process.sentinel: process for process in self._followers}
-        ready = wait(list(sentinels))
-        process = sentinels[ready[0]]  # type: ignore[index]
-        process.join()
-        self._go_down(process)
+        for gone in wait(list(sentinels), timeout=timeout)[:1]:
+            process = sentinels[gone]  # type: ignore[index]
+            process.join()
+            self._go_down(process)
 
     def _go_down(self, process: multiprocessing.process.BaseProcess) -> None:
         """The whole group exits, process (another rank) being gone. Rank 0 may be blocked in a

@@ -76,17 +76,12 @@ class TorchSdpaAttentionBackend(TorchAttentionBackend):
 
 
 class _Dequantized:
-    """An fp8 cache and its scales, indexed by blocks as the cache itself would be: cache[blocks]
-    gives float32 values (the gathered blocks only, not the whole cache, are dequantized)."""
+    """An fp8 cache and its scales, read through _gather_blocks like the cache itself: the gathered
+    blocks only, not the whole cache, are dequantized (to float32)."""
 
     def __init__(self, cache: torch.Tensor, scales: torch.Tensor) -> None:
         self.cache, self.scales = cache, scales
         self.shape = cache.shape
-
-    def __getitem__(self, blocks: torch.Tensor) -> torch.Tensor:
-        # CPU torch cannot index float8 tensors: gather the bits as uint8.
-        values = self.cache.view(torch.uint8)[blocks].view(self.cache.dtype)
-        return dequantize(values, self.scales[blocks])
 
 
 def _host_lengths(metadata: AttentionMetadata) -> tuple[list[int], list[int]]:
@@ -114,7 +109,9 @@ def _gather_blocks(cache: torch.Tensor | _Dequantized, blocks: torch.Tensor) -> 
     faster than indexing with a tensor (the default model's K of one 1,000-token sequence in blocks
     of 16: 156 -> 31 us; done twice a layer a step)."""
     if isinstance(cache, _Dequantized):
-        return cache[blocks]
+        # CPU torch cannot index float8 tensors: gather the bits as uint8.
+        values = _gather_blocks(cache.cache.view(torch.uint8), blocks).view(cache.cache.dtype)
+        return dequantize(values, _gather_blocks(cache.scales, blocks))
     return torch.index_select(cache, 0, blocks.reshape(-1)).view(*blocks.shape, *cache.shape[1:])
 
 

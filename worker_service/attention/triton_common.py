@@ -70,8 +70,8 @@ def widen_fp8_in_registers(x):
     tl.dot's operand conversions are moved by Triton to after the shared-memory read of the operand;
     for V (reduced over tokens but stored token-major) that read is one byte at a time when V is fp8
     (128 ld.shared.b8 a thread a 128-token tile in the sm_90 PTX). Not pure, so Triton keeps it here:
-    V is widened in registers and goes through shared memory as float16 (ldmatrix.trans), 8-16 %
-    faster decode (bench/results/2026-12-01-h200-fp8-decode-variants.txt)."""
+    V is widened in registers and goes through shared memory as float16 (ldmatrix.trans): the fp8
+    decode 9-13 % faster (bench/results/2026-12-01-h200-fp8-decode-variants.txt)."""
     return tl.inline_asm_elementwise(
         "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
         "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)

@@ -209,13 +209,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
+    fp8 = is_fp8(k_cache.dtype)
     group = attention_group(q, k_cache, v_cache)
     k_scale, v_scale, scale_strides = scale_operands(k_cache, k_scale, v_scale)
     out = torch.empty_like(q) if out is None else out
     if num_seqs == 0:
         return out
     if block_n is None:
-        block_n = FP8_DECODE_BLOCK_N if is_fp8(k_cache.dtype) else DECODE_BLOCK_N
+        block_n = FP8_DECODE_BLOCK_N if fp8 else DECODE_BLOCK_N
     num_splits = max(1, min(int(num_splits), MAX_NUM_SPLITS))
     is_split = num_splits > 1
     if is_split:
@@ -244,8 +245,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         partial_lse.stride(0), partial_lse.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, IS_SPLIT=is_split,
-        DOT_PRECISION=dot_precision(compute_dtype(q, k_cache)), IS_FP8=is_fp8(k_cache.dtype),
-        WIDEN_V_IN_REGISTERS=is_fp8(k_cache.dtype) and q.is_cuda,  # inline PTX: not under the CPU interpreter
+        DOT_PRECISION=dot_precision(compute_dtype(q, k_cache)), IS_FP8=fp8,
+        WIDEN_V_IN_REGISTERS=fp8 and q.is_cuda,  # inline PTX: not under the CPU interpreter
         num_warps=num_warps, num_stages=num_stages,
     )
     if is_split:
