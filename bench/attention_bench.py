@@ -36,7 +36,7 @@ from worker_service.attention.triton_decode import (  # noqa: E402
     DECODE_BLOCK_N,
     DECODE_NUM_STAGES,
     DECODE_NUM_WARPS,
-    FP8_DECODE_BLOCK_N,
+    FP8_DECODE_NUM_WARPS,
     choose_num_splits,
     paged_decode,
 )
@@ -211,10 +211,10 @@ def sweep_decode(block_size: int, batch: int, context: int, device: torch.device
         kv_bytes = kv_bytes // 2 + 2 * scales["k_scale"].numel() * 4
         reference = sdpa(q[:, :, None], k_seen.transpose(1, 2), v_seen.transpose(1, 2), False)()[:, :, 0]
     chosen = choose_num_splits(batch, NUM_KV_HEADS, context, device)
-    default_block_n = FP8_DECODE_BLOCK_N if fp8 else DECODE_BLOCK_N
-    configs = [(splits, default_block_n, DECODE_NUM_WARPS, DECODE_NUM_STAGES)
+    default_num_warps = FP8_DECODE_NUM_WARPS if fp8 else DECODE_NUM_WARPS
+    configs = [(splits, DECODE_BLOCK_N, default_num_warps, DECODE_NUM_STAGES)
                for splits in sorted({1, 2, 4, 8, 16, 32, chosen})]
-    configs += [(chosen, block_n, num_warps, num_stages) for block_n in (32, 64, 128) for num_warps in (4, 8)
+    configs += [(chosen, block_n, num_warps, num_stages) for block_n in (32, 64, 128) for num_warps in (1, 2, 4, 8)
                 for num_stages in (1, 2, 3, 4)]
     lines = []
     for splits, block_n, num_warps, num_stages in configs:

@@ -42,7 +42,14 @@ class Variant:
 def variants() -> list[Variant]:
     """The specialisations Qwen3-0.6B (16 q / 8 KV heads of 128, q/k norms) and a Llama-like model
     (no q/k norm) launch with in bf16, block size 256, with a bf16 and with an fp8 KV cache."""
-    from worker_service.attention.triton_decode import _decode_kernel, _merge_splits_kernel
+    from worker_service.attention.triton_decode import (
+        DECODE_BLOCK_N,
+        DECODE_NUM_STAGES,
+        DECODE_NUM_WARPS,
+        FP8_DECODE_NUM_WARPS,
+        _decode_kernel,
+        _merge_splits_kernel,
+    )
     from worker_service.attention.triton_prefill import _prefill_kernel
     from worker_service.attention.triton_rope_store import _rope_store_kernel
     from worker_service.attention.triton_store_kv import _store_kv_kernel
@@ -58,10 +65,11 @@ def variants() -> list[Variant]:
                                   "v_scale_ptr": "fp32"}}
     result = [
         Variant(f"decode split={is_split} fp8={fp8}", _decode_kernel,
-                dict(cache, GROUP=2, BLOCK_H=16, BLOCK_N=128 if fp8 else 64, IS_SPLIT=is_split, DOT_PRECISION="tf32",
+                dict(cache, GROUP=2, BLOCK_H=16, BLOCK_N=DECODE_BLOCK_N, IS_SPLIT=is_split, DOT_PRECISION="tf32",
                      IS_FP8=fp8, WIDEN_V_IN_REGISTERS=fp8),
                 dict(tables, partial_out_ptr="fp32", partial_lse_ptr="fp32", **kv_types[fp8]),
-                ("scale_log2",), options=dict(num_warps=4, num_stages=3))
+                ("scale_log2",), options=dict(num_warps=FP8_DECODE_NUM_WARPS if fp8 else DECODE_NUM_WARPS,
+                                              num_stages=DECODE_NUM_STAGES))
         for fp8 in (False, True) for is_split in (False, True)
     ]
     result.append(Variant("merge splits", _merge_splits_kernel, dict(HEAD_DIM=128, BLOCK_SPLITS=4),

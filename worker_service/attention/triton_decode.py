@@ -6,8 +6,7 @@ per query head, and streams its share of the sequence's context through the bloc
 of BLOCK_N tokens x head_dim (each token's head_dim row is contiguous: 16-byte, coalesced loads).
 Scores and the online softmax are float32 in the log2 domain (log2(e) folded into the scale, exp2).
 An fp8 cache (kv_quant) is widened to float16 on load (one conversion instruction per two values
-on sm_89+, V's in registers: triton_common.widen_fp8_in_registers; with 128-token tiles measured
-faster than widening to bfloat16, though not with 64: bench/results/2026-11-30-h200-attention-fp8-sweep-63dc9f8.txt),
+on sm_89+, which bfloat16 lacks; V's in registers: triton_common.widen_fp8_in_registers),
 with q's rows divided by their largest magnitude into float16's range: each score column is then
 multiplied by its token's K scale (and each row by its q scale), and each probability column by
 its token's V scale relative to the tile's largest before the second dot (so no probability that
@@ -40,8 +39,12 @@ from worker_service.attention.triton_common import (
 from worker_service.attention.triton_paging import load_page_ids, token_offsets
 
 DECODE_BLOCK_N = 64  # context tokens per tile: 16 KiB of K (and of V) per tile at head_dim 128 in bf16
-FP8_DECODE_BLOCK_N = 128  # the same 16 KiB in fp8 (sweep: 10-20 % faster than 64 at 256 x 1024, 64 x 4096)
 DECODE_NUM_WARPS = 4
+# An fp8 cache's tile is half the bytes for the same work, and the work between its loads (the
+# scores' and probabilities' reductions across warps, the widening of V) is what bounds the kernel:
+# two warps a program reduce across fewer warps (sweep with ncu, bench/results/2026-12-01-h200-fp8-decode-warps.txt:
+# 64 tokens and 2 warps 9 % faster than 128 tokens and 4 at 256 x 1024 and 64 x 4096).
+FP8_DECODE_NUM_WARPS = 2
 DECODE_NUM_STAGES = 3  # next tile's K/V in flight while this one computes (>= 3 needed: see triton_paging)
 TARGET_WAVES = 4  # aim for this many programs per multiprocessor when splitting
 MIN_TOKENS_PER_SPLIT = 128  # below this a split's fixed cost (q load, partial write, merge) dominates
@@ -93,7 +96,9 @@ def _decode_kernel(
         row_scale = row_scale * q_max
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    # Each row's sum of probabilities, kept per column and summed once after the loop: a sum across
+    # warps in every tile would cost a shared-memory round trip and barriers.
+    l_cols = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     k_head = k_cache_ptr + kv_head * stride_k_head
@@ -122,7 +127,7 @@ def _decode_kernel(
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_cols = l_cols * alpha[:, None] + p
         if IS_FP8:
             v_top = tl.max(v_scales, 0)
             v_top = tl.where(v_top > 0.0, v_top, 1.0)
@@ -132,6 +137,7 @@ def _decode_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    l_i = tl.sum(l_cols, 1)
     is_nonempty = l_i > 0.0
     out_tile = acc / tl.where(is_nonempty, l_i, 1.0)[:, None]  # an empty range gives 0, not NaN
     if IS_SPLIT:
@@ -194,7 +200,7 @@ def decode_workspace_numel(num_seqs: int, num_heads: int, head_dim: int, num_spl
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, num_splits: int, workspace: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, *, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = DECODE_NUM_WARPS,
+                 v_scale: torch.Tensor | None = None, block_n: int = DECODE_BLOCK_N, num_warps: int | None = None,
                  num_stages: int = DECODE_NUM_STAGES) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
@@ -203,8 +209,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     workspace: float32, at least decode_workspace_numel(...) elements, needed when num_splits > 1
     (allocated here when None; preallocate it for CUDA graph capture). out: [num_seqs, num_heads,
     head_dim], allocated when None. k_scale, v_scale: an fp8 cache's per-head-vector scales, float32
-    [num_blocks, block_size, num_kv_heads] (kv_quant; None otherwise). block_n (by the cache's
-    dtype when None), num_warps, num_stages: tuning knobs (see the bench).
+    [num_blocks, block_size, num_kv_heads] (kv_quant; None otherwise). block_n, num_warps (by the
+    cache's dtype when None), num_stages: tuning knobs (see the bench).
     Launches only, no host sync.
     """
     num_seqs, num_heads, head_dim = q.shape
@@ -215,8 +221,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     out = torch.empty_like(q) if out is None else out
     if num_seqs == 0:
         return out
-    if block_n is None:
-        block_n = FP8_DECODE_BLOCK_N if fp8 else DECODE_BLOCK_N
+    if num_warps is None:
+        num_warps = FP8_DECODE_NUM_WARPS if fp8 else DECODE_NUM_WARPS
     num_splits = max(1, min(int(num_splits), MAX_NUM_SPLITS))
     is_split = num_splits > 1
     if is_split:
