@@ -42,8 +42,9 @@ DECODE_BLOCK_N = 64  # context tokens per tile: 16 KiB of K (and of V) per tile 
 DECODE_NUM_WARPS = 4
 # An fp8 cache's tile is half the bytes for the same work, and the work between its loads (the
 # scores' and probabilities' reductions across warps, the widening of V) is what bounds the kernel:
-# two warps a program reduce across fewer warps (sweep with ncu, bench/results/2026-12-01-h200-fp8-decode-warps.txt:
-# 64 tokens and 2 warps 9 % faster than 128 tokens and 4 at 256 x 1024 and 64 x 4096).
+# two warps a program reduce across fewer warps (ncu profile and sweep in
+# bench/results/2026-12-01-h200-fp8-decode-warps.txt: 64 tokens and 2 warps 9 % faster than 128
+# tokens and 4 at 256 x 1024 and 64 x 4096; 12 % with the per-column row sums).
 FP8_DECODE_NUM_WARPS = 2
 DECODE_NUM_STAGES = 3  # next tile's K/V in flight while this one computes (>= 3 needed: see triton_paging)
 TARGET_WAVES = 4  # aim for this many programs per multiprocessor when splitting
