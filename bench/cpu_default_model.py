@@ -12,6 +12,7 @@ run (best of --repeats rounds), so that load from elsewhere on a shared machine 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -34,11 +35,17 @@ def best_interleaved(repeats: int, runs: dict[str, Callable[[], float]]) -> dict
     """The best rate of each engine over several rounds, the engines taking turns within a round: the
     machine is shared, others' load only ever slows a run down, and a burst of it then falls on
     every engine alike rather than on whichever ran at that moment."""
-    best = dict.fromkeys(runs, 0.0)
+    best = dict.fromkeys(runs, math.nan)  # nan: an engine that cannot run this measure
     for _ in range(repeats):
         for name, run in runs.items():
-            best[name] = max(best[name], run())
+            rate = run()
+            if not math.isnan(rate):
+                best[name] = rate if math.isnan(best[name]) else max(best[name], rate)
     return best
+
+
+def cell(value: float, decimals: int) -> str:
+    return f"{'-' if math.isnan(value) else f'{value:.{decimals}f}':>14}"
 
 
 def ours_engine(path: Path, weight_format: str, new_tokens: int) -> Engine:
@@ -172,12 +179,12 @@ def main() -> int:
     columns = list(next(iter(rows.values())))
     print(f"{'':14}" + "".join(f"{c:>14}" for c in columns))
     for name, figures in rows.items():
-        print(f"{name:14}" + "".join(f"{figures[c]:>14.1f}" for c in columns))
+        print(f"{name:14}" + "".join(cell(figures[c], 1) for c in columns))
     if "int4" in rows:
         print("ratio int4 / engine:")
         for name, figures in rows.items():
             if name != "int4":
-                print(f"{name:14}" + "".join(f"{rows['int4'][c] / figures[c]:>14.2f}" for c in columns))
+                print(f"{name:14}" + "".join(cell(rows["int4"][c] / figures[c], 2) for c in columns))
         int4 = rows["int4"]
         print(f"int4 {args.streams} streams / single stream: {int4[f'decode x{args.streams}'] / int4['decode x1']:.2f}")
     return 0
