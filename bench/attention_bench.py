@@ -35,9 +35,8 @@ from worker_service.attention.kv_quant import dequantize, head_scales, quantize 
 from worker_service.attention.triton_decode import (  # noqa: E402
     DECODE_BLOCK_N,
     DECODE_NUM_STAGES,
-    DECODE_NUM_WARPS,
-    FP8_DECODE_NUM_WARPS,
     choose_num_splits,
+    decode_num_warps,
     paged_decode,
 )
 from worker_service.attention.triton_prefill import paged_prefill  # noqa: E402
@@ -211,8 +210,7 @@ def sweep_decode(block_size: int, batch: int, context: int, device: torch.device
         kv_bytes = kv_bytes // 2 + 2 * scales["k_scale"].numel() * 4
         reference = sdpa(q[:, :, None], k_seen.transpose(1, 2), v_seen.transpose(1, 2), False)()[:, :, 0]
     chosen = choose_num_splits(batch, NUM_KV_HEADS, context, device)
-    default_num_warps = FP8_DECODE_NUM_WARPS if fp8 else DECODE_NUM_WARPS
-    configs = [(splits, DECODE_BLOCK_N, default_num_warps, DECODE_NUM_STAGES)
+    configs = [(splits, DECODE_BLOCK_N, decode_num_warps(fp8), DECODE_NUM_STAGES)
                for splits in sorted({1, 2, 4, 8, 16, 32, chosen})]
     configs += [(chosen, block_n, num_warps, num_stages) for block_n in (32, 64, 128) for num_warps in (1, 2, 4, 8)
                 for num_stages in (1, 2, 3, 4)]

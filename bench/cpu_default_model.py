@@ -35,13 +35,13 @@ def best_interleaved(repeats: int, runs: dict[str, Callable[[], float]]) -> dict
     """The best rate of each engine over several rounds, the engines taking turns within a round: the
     machine is shared, others' load only ever slows a run down, and a burst of it then falls on
     every engine alike rather than on whichever ran at that moment."""
-    best = dict.fromkeys(runs, math.nan)  # nan: an engine that cannot run this measure
+    rates: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
-            rate = run()
+            rate = run()  # nan: an engine that cannot run this measure
             if not math.isnan(rate):
-                best[name] = rate if math.isnan(best[name]) else max(best[name], rate)
-    return best
+                rates[name].append(rate)
+    return {name: max(measured, default=math.nan) for name, measured in rates.items()}
 
 
 def cell(value: float, decimals: int) -> str:

@@ -177,8 +177,9 @@ class TensorParallelCore:
         """Waits up to timeout seconds (None: for ever) for another rank to exit; if one does, the
         group goes down (_go_down does not return unless the group is closing)."""
         sentinels = {process.sentinel: process for process in self._followers}
-        for gone in wait(list(sentinels), timeout=timeout)[:1]:
-            process = sentinels[gone]  # type: ignore[index]
+        gone = wait(list(sentinels), timeout=timeout)
+        if gone:
+            process = sentinels[gone[0]]  # type: ignore[index]
             process.join()
             self._go_down(process)
 

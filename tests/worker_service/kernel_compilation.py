@@ -45,10 +45,9 @@ def variants() -> list[Variant]:
     from worker_service.attention.triton_decode import (
         DECODE_BLOCK_N,
         DECODE_NUM_STAGES,
-        DECODE_NUM_WARPS,
-        FP8_DECODE_NUM_WARPS,
         _decode_kernel,
         _merge_splits_kernel,
+        decode_num_warps,
     )
     from worker_service.attention.triton_prefill import _prefill_kernel
     from worker_service.attention.triton_rope_store import _rope_store_kernel
@@ -68,8 +67,7 @@ def variants() -> list[Variant]:
                 dict(cache, GROUP=2, BLOCK_H=16, BLOCK_N=DECODE_BLOCK_N, IS_SPLIT=is_split, DOT_PRECISION="tf32",
                      IS_FP8=fp8, WIDEN_V_IN_REGISTERS=fp8),
                 dict(tables, partial_out_ptr="fp32", partial_lse_ptr="fp32", **kv_types[fp8]),
-                ("scale_log2",), options=dict(num_warps=FP8_DECODE_NUM_WARPS if fp8 else DECODE_NUM_WARPS,
-                                              num_stages=DECODE_NUM_STAGES))
+                ("scale_log2",), options=dict(num_warps=decode_num_warps(fp8), num_stages=DECODE_NUM_STAGES))
         for fp8 in (False, True) for is_split in (False, True)
     ]
     result.append(Variant("merge splits", _merge_splits_kernel, dict(HEAD_DIM=128, BLOCK_SPLITS=4),

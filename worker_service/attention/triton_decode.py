@@ -177,6 +177,11 @@ def _merge_splits_kernel(
     tl.store(out_ptr + seq * stride_o_tok + head * stride_o_head + dims, merged.to(out_ptr.dtype.element_ty))
 
 
+def decode_num_warps(fp8: bool) -> int:
+    """Warps a decode program runs with, by the cache's element type."""
+    return FP8_DECODE_NUM_WARPS if fp8 else DECODE_NUM_WARPS
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device | None = None) -> int:
     """KV splits per sequence: enough programs (num_seqs * num_kv_heads * splits) to give every
     multiprocessor about TARGET_WAVES of them, but no split shorter than MIN_TOKENS_PER_SPLIT.
@@ -210,8 +215,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     workspace: float32, at least decode_workspace_numel(...) elements, needed when num_splits > 1
     (allocated here when None; preallocate it for CUDA graph capture). out: [num_seqs, num_heads,
     head_dim], allocated when None. k_scale, v_scale: an fp8 cache's per-head-vector scales, float32
-    [num_blocks, block_size, num_kv_heads] (kv_quant; None otherwise). block_n, num_warps (by the
-    cache's dtype when None), num_stages: tuning knobs (see the bench).
+    [num_blocks, block_size, num_kv_heads] (kv_quant; None otherwise). block_n, num_warps
+    (decode_num_warps when None), num_stages: tuning knobs (see the bench).
     Launches only, no host sync.
     """
     num_seqs, num_heads, head_dim = q.shape
@@ -223,7 +228,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if num_seqs == 0:
         return out
     if num_warps is None:
-        num_warps = FP8_DECODE_NUM_WARPS if fp8 else DECODE_NUM_WARPS
+        num_warps = decode_num_warps(fp8)
     num_splits = max(1, min(int(num_splits), MAX_NUM_SPLITS))
     is_split = num_splits > 1
     if is_split:
