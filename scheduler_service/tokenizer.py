@@ -16,6 +16,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from common.checkpoint import find_gguf_file
+from common.gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
 GGUF_CONTROL_TOKEN_TYPE = 3
@@ -112,12 +113,10 @@ def _token_text(value: Any) -> str | None:
 
 def tokenizer_from_gguf(path: Path) -> Tokenizer:
     """Builds a byte-level BPE tokenizer from GGUF metadata (tokenizer.ggml.model "gpt2")."""
-    from gguf import GGUFReader  # numpy only
-
-    fields = GGUFReader(str(path)).fields
+    metadata = GGUFFile(path).metadata
 
     def value(name: str, default: Any = None) -> Any:
-        return fields[name].contents() if name in fields else default
+        return metadata.get(name, default)
 
     kind = value("tokenizer.ggml.model")
     if kind != "gpt2":

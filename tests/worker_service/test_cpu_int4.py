@@ -10,11 +10,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from common.gguf_file import GGUFFile  # noqa: E402
 from worker_service.attention import get_attention_backend  # noqa: E402
 from worker_service.attention.base import AttentionMetadata  # noqa: E402
 from worker_service.cpu_quantization import resolve_cpu_weight_format  # noqa: E402
 from worker_service.layers.quantized_cpu import Int4Linear, Int8Head  # noqa: E402
-from worker_service.loader.gguf_file import GGUFFile  # noqa: E402
+from worker_service.loader.gguf_dequant import dequantize_tensor  # noqa: E402
 from worker_service.loader.gguf_int4 import read_int4_groups  # noqa: E402
 from worker_service.loader.gguf_loader import unpermute_rotary_rows  # noqa: E402
 from worker_service.model_loading import load_checkpoint  # noqa: E402
@@ -49,7 +50,7 @@ def test_int4_groups_hold_the_files_weights(model_path: Path) -> None:
     for name, heads in (("blk.0.attn_q.weight", 9), ("blk.3.attn_k.weight", 3), ("blk.29.ffn_down.weight", 0)):
         groups = read_int4_groups(gguf, name, heads)
         assert groups is not None
-        expected = gguf.dequantize(name)
+        expected = dequantize_tensor(gguf, name)
         if heads:
             expected = unpermute_rotary_rows(expected, heads)
         np.testing.assert_allclose(groups.dequantize(), expected, rtol=1e-6, atol=1e-7)

@@ -13,8 +13,8 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from worker_service.loader.gguf_dequant import SUPPORTED_TYPES, block_layout, dequantize  # noqa: E402
-from worker_service.loader.gguf_file import GGUFFile  # noqa: E402
+from common.gguf_file import GGUFFile, block_layout  # noqa: E402
+from worker_service.loader.gguf_dequant import SUPPORTED_TYPES, dequantize  # noqa: E402
 from worker_service.loader.gguf_loader import (  # noqa: E402
     gguf_model_config,
     gguf_to_hf_name,

@@ -11,32 +11,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from enum import IntEnum
 
 import numpy as np
 
-QK_K = 256  # elements per K-quant super-block
+from common.gguf_file import BLOCK_LAYOUTS, GGMLType, GGUFFile, block_layout, type_name
+
 _CHUNK_ELEMENTS = 1 << 18  # output elements per work item: 1 MiB of float32, fits in L2 with temporaries
 _MAX_THREADS = 8
-
-
-class GGMLType(IntEnum):
-    """GGML tensor type ids (same values as gguf.GGMLQuantizationType)."""
-
-    F32 = 0
-    F16 = 1
-    Q4_0 = 2
-    Q4_1 = 3
-    Q5_0 = 6
-    Q5_1 = 7
-    Q8_0 = 8
-    Q2_K = 10
-    Q3_K = 11
-    Q4_K = 12
-    Q5_K = 13
-    Q6_K = 14
-    Q8_K = 15
-    BF16 = 30
 
 
 BlockKernel = Callable[[np.ndarray, np.ndarray], None]
@@ -174,34 +155,20 @@ def _q6_k(blocks: np.ndarray, out: np.ndarray) -> None:
     groups *= d[:, :, None]
 
 
-# type -> (elements per block, bytes per block, kernel)
-_BLOCK_FORMATS: dict[int, tuple[int, int, BlockKernel]] = {
-    GGMLType.Q4_0: (32, 18, _q4_0),
-    GGMLType.Q4_1: (32, 20, _q4_1),
-    GGMLType.Q5_0: (32, 22, _q5_0),
-    GGMLType.Q5_1: (32, 24, _q5_1),
-    GGMLType.Q8_0: (32, 34, _q8_0),
-    GGMLType.Q2_K: (QK_K, 84, _q2_k),
-    GGMLType.Q3_K: (QK_K, 110, _q3_k),
-    GGMLType.Q4_K: (QK_K, 144, _q4_k),
-    GGMLType.Q5_K: (QK_K, 176, _q5_k),
-    GGMLType.Q6_K: (QK_K, 210, _q6_k),
-    GGMLType.Q8_K: (QK_K, 292, _q8_k),
+_BLOCK_KERNELS: dict[int, BlockKernel] = {
+    GGMLType.Q4_0: _q4_0, GGMLType.Q4_1: _q4_1, GGMLType.Q5_0: _q5_0, GGMLType.Q5_1: _q5_1, GGMLType.Q8_0: _q8_0,
+    GGMLType.Q2_K: _q2_k, GGMLType.Q3_K: _q3_k, GGMLType.Q4_K: _q4_k, GGMLType.Q5_K: _q5_k, GGMLType.Q6_K: _q6_k,
+    GGMLType.Q8_K: _q8_k,
 }
 _PLAIN_FORMATS = {GGMLType.F32: np.float32, GGMLType.F16: np.float16}
 
-SUPPORTED_TYPES: frozenset[int] = frozenset([*_BLOCK_FORMATS, *_PLAIN_FORMATS, GGMLType.BF16])
+SUPPORTED_TYPES: frozenset[int] = frozenset(BLOCK_LAYOUTS)
 
 
-def block_layout(ggml_type: int) -> tuple[int, int]:
-    """(elements per block, bytes per block) of a supported type."""
-    if ggml_type in _BLOCK_FORMATS:
-        return _BLOCK_FORMATS[ggml_type][:2]
-    if ggml_type == GGMLType.BF16:
-        return 1, 2
-    if ggml_type in _PLAIN_FORMATS:
-        return 1, np.dtype(_PLAIN_FORMATS[ggml_type]).itemsize
-    raise NotImplementedError(f"GGML tensor type {_type_name(ggml_type)} is not supported")
+def dequantize_tensor(gguf: GGUFFile, name: str) -> np.ndarray:
+    """A tensor of the file as a new float32 array of row-major shape."""
+    info = gguf.tensors[name]
+    return dequantize(gguf.raw(name), info.ggml_type, info.ggml_shape)
 
 
 def dequantize(data: np.ndarray | bytes | memoryview, ggml_type: int, ggml_shape: Sequence[int]) -> np.ndarray:
@@ -218,7 +185,7 @@ def dequantize(data: np.ndarray | bytes | memoryview, ggml_type: int, ggml_shape
     raw = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
     if num_elements % block_size or raw.size != num_elements // block_size * type_size:
         raise ValueError(
-            f"{_type_name(ggml_type)} tensor of shape {shape} needs {num_elements // block_size * type_size} "
+            f"{type_name(ggml_type)} tensor of shape {shape} needs {num_elements // block_size * type_size} "
             f"bytes in blocks of {block_size}, got {raw.size}"
         )
     if ggml_type in _PLAIN_FORMATS:
@@ -226,7 +193,7 @@ def dequantize(data: np.ndarray | bytes | memoryview, ggml_type: int, ggml_shape
     if ggml_type == GGMLType.BF16:
         return (raw.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32).reshape(shape)
     out = np.empty(num_elements, dtype=np.float32)
-    _run_blocks(_BLOCK_FORMATS[ggml_type][2], raw.reshape(-1, type_size), out.reshape(-1, block_size))
+    _run_blocks(_BLOCK_KERNELS[ggml_type], raw.reshape(-1, type_size), out.reshape(-1, block_size))
     return out.reshape(shape)
 
 
@@ -247,9 +214,3 @@ def _run_blocks(kernel: BlockKernel, blocks: np.ndarray, out: np.ndarray) -> Non
     with ThreadPoolExecutor(num_threads) as pool:
         list(pool.map(run, starts))
 
-
-def _type_name(ggml_type: int) -> str:
-    try:
-        return GGMLType(ggml_type).name
-    except ValueError:
-        return f"#{int(ggml_type)}"

@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from worker_service.loader.gguf_dequant import GGMLType
-from worker_service.loader.gguf_file import GGUFFile
+from common.gguf_file import GGMLType, GGUFFile
 from worker_service.loader.gguf_loader import unpermute_rotary_rows
 
 GROUP_SIZE = 32

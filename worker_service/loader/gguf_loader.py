@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from worker_service.loader.gguf_file import GGUFFile
+from common.gguf_file import GGUFFile
+from worker_service.loader.gguf_dequant import dequantize_tensor
 from worker_service.model_config import ModelConfig, RopeScaling
 
 _ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -100,7 +101,7 @@ def iter_gguf_hf_tensors(source: str | Path | GGUFFile) -> Iterator[tuple[str, n
         hf_name = gguf_to_hf_name(gguf_name)
         if hf_name is None:
             continue
-        tensor = gguf.dequantize(gguf_name)
+        tensor = dequantize_tensor(gguf, gguf_name)
         if is_permuted and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             tensor = unpermute_rotary_rows(tensor, config.num_heads)
         elif is_permuted and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -159,7 +160,7 @@ def _rope_scaling(gguf: GGUFFile, get: Callable[[str, Any], Any], rope_theta: fl
     kind = get("rope.scaling.type", "none")
     factor = float(get("rope.scaling.factor", get("rope.scale_linear", 1.0)))
     if "rope_freqs.weight" in gguf.tensors:
-        return _llama3_rope_scaling(gguf.dequantize("rope_freqs.weight"), rope_theta)
+        return _llama3_rope_scaling(dequantize_tensor(gguf, "rope_freqs.weight"), rope_theta)
     if kind == "none" or (kind == "linear" and factor == 1.0):
         return RopeScaling()
     if kind == "linear":
