@@ -114,24 +114,20 @@ def _token_text(value: Any) -> str | None:
 def tokenizer_from_gguf(path: Path) -> Tokenizer:
     """Builds a byte-level BPE tokenizer from GGUF metadata (tokenizer.ggml.model "gpt2")."""
     metadata = GGUFFile(path).metadata
-
-    def value(name: str, default: Any = None) -> Any:
-        return metadata.get(name, default)
-
-    kind = value("tokenizer.ggml.model")
+    kind = metadata.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"tokenizer: GGUF tokenizer type {kind!r} is not supported (only gpt2-style BPE); "
                          f"pass --tokenizer with a Hugging Face tokenizer folder")
-    tokens: list[str] = value("tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ", 1)) for m in value("tokenizer.ggml.merges")]
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
     backend = BackendTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
-    types = value("tokenizer.ggml.token_type", [])
+    types = metadata.get("tokenizer.ggml.token_type", [])
     backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                                for i, kind in enumerate(types) if kind == GGUF_CONTROL_TOKEN_TYPE])
-    bos, eos = value("tokenizer.ggml.bos_token_id"), value("tokenizer.ggml.eos_token_id")
-    return Tokenizer(backend, value("tokenizer.chat_template"), tokens[bos] if bos is not None else None,
+                                for i, token_type in enumerate(types) if token_type == GGUF_CONTROL_TOKEN_TYPE])
+    bos, eos = metadata.get("tokenizer.ggml.bos_token_id"), metadata.get("tokenizer.ggml.eos_token_id")
+    return Tokenizer(backend, metadata.get("tokenizer.chat_template"), tokens[bos] if bos is not None else None,
                      tokens[eos] if eos is not None else None)
 
 

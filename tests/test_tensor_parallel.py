@@ -78,10 +78,17 @@ def model(tmp_path_factory) -> Path:
 
 def rank_pids(pid: int) -> list[int]:
     """The processes that the worker at pid spawned as its other ranks (from any of its threads)."""
-    children = [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
-                for child in (task / "children").read_text().split()]
+    children = [int(child) for task in Path(f"/proc/{pid}/task").iterdir() for child in _children(task)]
     return [child for child in children
             if b"from multiprocessing.spawn import spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()]
+
+
+def _children(task: Path) -> list[str]:
+    """One thread's child pids; none when the thread ended between listing and reading."""
+    try:
+        return (task / "children").read_text().split()
+    except FileNotFoundError:
+        return []
 
 
 def is_running(pid: int) -> bool:

@@ -88,7 +88,7 @@ class TensorParallelCore:
             self._pipes.append(writer)
             self._followers.append(process)
         self._closing = False
-        threading.Thread(target=self._exit_when_a_rank_dies, daemon=True, name="tp-watch").start()
+        threading.Thread(target=self._go_down_when_a_rank_exits, args=(None,), daemon=True, name="tp-watch").start()
         # A process that exits without close() (an exception) would otherwise wait forever at exit
         # for ranks that wait for its next message.
         atexit.register(self._kill_followers)
@@ -169,9 +169,6 @@ class TensorParallelCore:
         for process in self._followers:
             if process.is_alive():
                 process.kill()
-
-    def _exit_when_a_rank_dies(self) -> None:
-        self._go_down_when_a_rank_exits(timeout=None)
 
     def _go_down_when_a_rank_exits(self, timeout: float | None) -> None:
         """Waits up to timeout seconds (None: for ever) for another rank to exit; if one does, the

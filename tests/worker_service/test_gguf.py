@@ -13,7 +13,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from common.gguf_file import GGUFFile, block_layout  # noqa: E402
+from common.gguf_file import BLOCK_LAYOUTS, GGUFFile, block_layout  # noqa: E402
 from worker_service.loader.gguf_dequant import SUPPORTED_TYPES, dequantize  # noqa: E402
 from worker_service.loader.gguf_loader import (  # noqa: E402
     gguf_model_config,
@@ -42,6 +42,7 @@ def _random_blocks(qtype: Q, num_blocks: int, rng: np.random.Generator) -> np.nd
 
 
 def test_block_layouts_match_ggml() -> None:
+    assert SUPPORTED_TYPES == set(BLOCK_LAYOUTS)  # every type the reader sizes, the dequantizer reads
     for qtype in SUPPORTED_TYPES:
         assert block_layout(qtype) == gguf.GGML_QUANT_SIZES[Q(qtype)], Q(qtype).name
 
