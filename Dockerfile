@@ -8,6 +8,7 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 COPY pyproject.toml README.md ./
 COPY proto ./proto
 COPY common ./common
+COPY launch ./launch
 COPY scheduler_service ./scheduler_service
 COPY worker_service ./worker_service
 COPY offline ./offline

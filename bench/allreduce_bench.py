@@ -103,7 +103,7 @@ def main() -> None:
     if torch.cuda.device_count() < args.world:
         sys.exit(f"needs {args.world} GPUs")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from common.ports import free_port
+    from common.net.ports import free_port
 
     sizes = [int(part) for part in args.rows.split(",")]
     print(f"{torch.cuda.get_device_name()} x{args.world}, torch {torch.__version__}, "

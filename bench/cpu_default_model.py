@@ -144,8 +144,8 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from common.default_model import default_model_path
-    from scheduler_service.tokenizer import load_tokenizer
+    from common.formats.default_model import default_model_path
+    from scheduler_service.api.tokenizer import load_tokenizer
 
     path = Path(default_model_path())
     tokenizer = load_tokenizer(str(path))

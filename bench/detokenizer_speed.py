@@ -20,8 +20,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scheduler_service.detokenizer import IncrementalDetokenizer  # noqa: E402
-from scheduler_service.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
+from scheduler_service.api.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
+from scheduler_service.core.detokenizer import IncrementalDetokenizer  # noqa: E402
 
 
 class CountingDecoder:
@@ -48,8 +48,8 @@ def bpe_sequences(folder: Path) -> tuple[Tokenizer, list[tuple[list[int], list[i
 
 
 def smollm2_sequences() -> tuple[Tokenizer, list[tuple[list[int], list[int]]]]:
-    from common.default_model import default_model_path
-    from scheduler_service.tokenizer import tokenizer_from_gguf
+    from common.formats.default_model import default_model_path
+    from scheduler_service.api.tokenizer import tokenizer_from_gguf
     from tests.tiny_models import CORPUS
 
     tokenizer = tokenizer_from_gguf(Path(default_model_path()))

@@ -10,7 +10,7 @@ it: a step that arrives late leaves that GPU idle, as on a real one. SIGUSR1 wri
 GPU's busy seconds and counts so far to --stats-file (JSON).
 
 It keeps per sequence what the real worker keeps to count samples (tokens held, tokens computed)
-and applies the same lookahead rule (common/lookahead.py): a chunk that reaches the end of its
+and applies the same lookahead rule (common/contract/lookahead.py): a chunk that reaches the end of its
 sequence samples one token, a decode samples num_decode_steps. No torch is imported.
 """
 from __future__ import annotations
@@ -27,8 +27,8 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common.contract.lookahead import num_sampled_tokens  # noqa: E402
 from common.generated.nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
-from common.lookahead import num_sampled_tokens  # noqa: E402
 
 
 def fake_token(seq_id: int, position: int, token_range: int, first_token: int) -> int:
@@ -155,7 +155,7 @@ class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 
 async def serve(port: int, servicer: FakeWorkerServicer, stats_file: str | None) -> None:
-    from common.grpc_options import server_options
+    from common.net.grpc_options import server_options
 
     server = grpc.aio.server(options=server_options())
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)

@@ -27,13 +27,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.config import WorkerConfig  # noqa: E402
+from common.contract.config import WorkerConfig  # noqa: E402
 from common.generated.nanovllm.worker.v1 import worker_pb2  # noqa: E402
 from worker_service.attention.kv_quant import FP8_MAX  # noqa: E402
-from worker_service.batch import ScheduledChunk, build_model_input  # noqa: E402
 from worker_service.layers import fused_kernels  # noqa: E402
-from worker_service.model_runner import ModelRunner  # noqa: E402
-from worker_service.sequence_state import WorkerSequence  # noqa: E402
+from worker_service.runtime.batch import ScheduledChunk, build_model_input  # noqa: E402
+from worker_service.runtime.model_runner import ModelRunner  # noqa: E402
+from worker_service.runtime.sequence_state import WorkerSequence  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -142,7 +142,7 @@ def compare(model: str, windows: list[list[int]], device: str = "cpu", dtype: st
 
 
 def text_windows(model: str, num_windows: int, window_len: int) -> list[list[int]]:
-    from scheduler_service.tokenizer import load_tokenizer
+    from scheduler_service.api.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model)
     if tokenizer is None:
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-decode-positions", type=int, default=0, help="per window, run as decode steps")
     args = parser.parse_args(argv)
     if args.model is None:
-        from common.default_model import default_model_path
+        from common.formats.default_model import default_model_path
 
         args.model = default_model_path()
     text = real_text()

@@ -31,9 +31,9 @@ start_services() {  # a worker and a scheduler on the random Qwen3-0.6B; extra s
   model=/tmp/nanovllm-bench/random-qwen3-0.6b wport=50161 port=50151 mport=50191
   NANOVLLM_WORKER_SECRET=$(python3 -c "import secrets; print(secrets.token_hex(16))"); export NANOVLLM_WORKER_SECRET
   python3 -c "from pathlib import Path; from bench.random_checkpoint import make_random_checkpoint as m; m(Path('$model'))"
-  python3 -m common.cli --log-level WARNING worker --model "$model" --port $wport >"$OUT/serving-worker.log" 2>&1 &
+  python3 -m launch.cli --log-level WARNING worker --model "$model" --port $wport >"$OUT/serving-worker.log" 2>&1 &
   worker=$!
-  python3 -m common.cli --log-level WARNING scheduler --worker 127.0.0.1:$wport --port $port --metrics-port $mport \
+  python3 -m launch.cli --log-level WARNING scheduler --worker 127.0.0.1:$wport --port $port --metrics-port $mport \
     "$@" >"$OUT/serving-scheduler.log" 2>&1 &
   scheduler=$!
 }
@@ -57,7 +57,7 @@ step_length_ab() {  # name, bench/serving.py flags: the default scheduler and on
       start_services $flags; first=0
     else
       kill $scheduler; wait $scheduler
-      python3 -m common.cli --log-level WARNING scheduler --worker 127.0.0.1:$wport --port $port \
+      python3 -m launch.cli --log-level WARNING scheduler --worker 127.0.0.1:$wport --port $port \
         --metrics-port $mport --worker-takeover $flags >"$OUT/serving-scheduler-$variant.log" 2>&1 &
       scheduler=$!
     fi

@@ -1,7 +1,7 @@
 """The scheduler's own capacity: output tok/s of the whole system when the workers cost nothing.
 
 Fake workers (bench/fake_worker.py, one process each) answer every Step at once; the real scheduler
-runs as users start it (`python -m common.cli scheduler --worker A,B`), and the reference workload
+runs as users start it (`python -m launch.cli scheduler --worker A,B`), and the reference workload
 (bench/workload.py: 256 requests, EOS ignored) goes through the public gRPC API as in
 bench/throughput.py's grpc mode (all requests at once, unary Generate, after a warm-up). What
 limits the rate is then the scheduler process (and the client, sharing the machine's cores): the
@@ -43,7 +43,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from bench.workload import bench_workload  # noqa: E402
-from common.ports import free_port  # noqa: E402
+from common.net.ports import free_port  # noqa: E402
 from tests.services_harness import stop  # noqa: E402
 
 SECRET = "scheduler-capacity-bench-secret"
@@ -135,7 +135,7 @@ def run_once(args: argparse.Namespace, num_workers: int, model: Path, tokens: tu
         scheduler = start([sys.executable, str(Path(__file__).resolve()), "--run-scheduler", profile,
                            args.profile_timer, *flags])
     else:
-        scheduler = start([sys.executable, "-m", "common.cli", *flags])
+        scheduler = start([sys.executable, "-m", "launch.cli", *flags])
     try:
         return asyncio.run(_drive(args, f"127.0.0.1:{public_port}", scheduler, workers, stats_files, profile))
     finally:
@@ -161,7 +161,7 @@ async def _drive(args: argparse.Namespace, target: str, scheduler: subprocess.Po
 
     from common.client import GenerationClient, build_request
     from common.generated.nanovllm.generate.v1 import generate_pb2_grpc
-    from common.grpc_options import channel_options
+    from common.net.grpc_options import channel_options
 
     with GenerationClient(target) as client:
         client.wait_ready(timeout=120)
@@ -203,10 +203,10 @@ async def _drive(args: argparse.Namespace, target: str, scheduler: subprocess.Po
 
 
 def run_profiled_scheduler(profile_path: str, timer: str, cli_args: list[str]) -> int:
-    """The scheduler as `python -m common.cli` runs it, profiled between SIGUSR1 and SIGUSR2."""
+    """The scheduler as `python -m launch.cli` runs it, profiled between SIGUSR1 and SIGUSR2."""
     import cProfile
 
-    from common.cli import main
+    from launch.cli import main
 
     # The thread's CPU clock leaves out time the process waited for a core (a busy machine).
     profiler = cProfile.Profile(time.thread_time) if timer == "cpu" else cProfile.Profile()

@@ -33,7 +33,7 @@ from bench.serving_stats import RequestTiming, Slo, distribution_ms, plot, summa
 from bench.workload import bench_workload  # noqa: E402
 from common.client import build_request  # noqa: E402
 from common.generated.nanovllm.generate.v1 import generate_pb2, generate_pb2_grpc  # noqa: E402
-from common.grpc_options import channel_options  # noqa: E402
+from common.net.grpc_options import channel_options  # noqa: E402
 
 Workload = list[tuple[list[int], int]]  # (prompt token ids, max_tokens)
 

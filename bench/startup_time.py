@@ -26,7 +26,7 @@ def time_to_serving() -> tuple[float, list[str]]:
     port = free_port()
     with tempfile.TemporaryFile("w+") as log:  # a file, not a pipe: a full pipe would stall the service
         started = time.perf_counter()
-        process = subprocess.Popen([sys.executable, "-m", "common.cli", "serve", "--port", str(port)],
+        process = subprocess.Popen([sys.executable, "-m", "launch.cli", "serve", "--port", str(port)],
                                    cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
         try:
             with GenerationClient(f"127.0.0.1:{port}") as client:

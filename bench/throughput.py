@@ -157,7 +157,7 @@ def run_grpc(args: argparse.Namespace, model: str) -> dict:
 
 def _start_worker(args: argparse.Namespace, model: str, port: int, gpu: int | None) -> subprocess.Popen:
     """A `nanovllm worker`; on GPU `gpu` alone when given (data parallelism: one GPU per worker)."""
-    from common.worker_link import SECRET_ENV
+    from common.security.worker_secret import SECRET_ENV
     from tests.services_harness import WORKER_SECRET
 
     flags = ["--model", model, "--port", str(port), "--max-model-len", str(args.max_model_len),
@@ -168,7 +168,7 @@ def _start_worker(args: argparse.Namespace, model: str, port: int, gpu: int | No
     env = {**os.environ, "PYTHONUNBUFFERED": "1", SECRET_ENV: WORKER_SECRET}
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    return subprocess.Popen([sys.executable, "-m", "common.cli", "--log-level", "WARNING", "worker", *flags],
+    return subprocess.Popen([sys.executable, "-m", "launch.cli", "--log-level", "WARNING", "worker", *flags],
                             cwd=REPO_ROOT, env=env)
 
 
@@ -177,7 +177,7 @@ async def _grpc_client(args: argparse.Namespace, target: str) -> dict:
 
     from common.client import GenerationClient, build_request
     from common.generated.nanovllm.generate.v1 import generate_pb2_grpc
-    from common.grpc_options import channel_options
+    from common.net.grpc_options import channel_options
 
     with GenerationClient(target) as client:
         client.wait_ready(timeout=600)

@@ -42,7 +42,7 @@ def generate(model: str, batch: list[list[int]], tensor_parallel_size: int, enfo
 
 def sums_path() -> str:
     """How this rank's group sums the layers' partial results."""
-    from worker_service.distributed import sums_in_symmetric_memory
+    from worker_service.parallel.distributed import sums_in_symmetric_memory
 
     return "symmetric memory" if sums_in_symmetric_memory() else "NCCL"
 
@@ -53,7 +53,7 @@ def _teacher_forced_rank(rank: int, model: str, sequences: list[tuple[list[int],
     decode steps, as tests/worker_service/test_gpu_model.py does on one GPU)."""
     sys.path.insert(0, str(REPO_ROOT))
     from tests.worker_service.test_gpu_model import teacher_forced_logits
-    from worker_service.distributed import destroy_tensor_parallel, init_tensor_parallel
+    from worker_service.parallel.distributed import destroy_tensor_parallel, init_tensor_parallel
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
@@ -67,7 +67,7 @@ def _teacher_forced_rank(rank: int, model: str, sequences: list[tuple[list[int],
 def teacher_forced(model: str, batch: list[list[int]], continuations: list[list[int]]) -> dict:
     import torch.multiprocessing as mp
 
-    from common.ports import free_port
+    from common.net.ports import free_port
 
     sequences = [(p + c, len(p)) for p, c in zip(batch, continuations, strict=True)]
     reference = {dtype: _transformers_logits(model, sequences, dtype) for dtype in (torch.float32, torch.bfloat16)}

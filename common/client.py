@@ -23,10 +23,10 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common import grpc_options
+from common.contract.sampling_params import PARAMS
 from common.generated.nanovllm.generate.v1 import generate_pb2, generate_pb2_grpc
-from common.sampling_params import PARAMS
-from common.tls import channel_credentials
+from common.net import grpc_options
+from common.security.tls import channel_credentials
 
 Message = Mapping[str, str] | tuple[str, str]  # {"role": ..., "content": ...} or (role, content)
 
@@ -123,7 +123,7 @@ class GenerationClient:
     forever. Usable as a context manager, which closes the channel.
 
     TLS when `tls` is true or any of ca_cert, client_cert, client_key is given (PEM file paths; no
-    ca_cert: the system's root certificates; common.tls reads them: ValueError for a file it cannot read,
+    ca_cert: the system's root certificates; common.security.tls reads them: ValueError for a file it cannot read,
     or client_cert without client_key). `api_key` is sent as `authorization: Bearer <key>` with every call."""
 
     def __init__(self, target: str, *, timeout: float | None = None, tls: bool = False,

@@ -11,16 +11,16 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from common.config import SchedulerConfig, WorkerConfig, split_options
+from common.contract.config import SchedulerConfig, WorkerConfig, split_options
+from common.contract.sampling_params import SamplingParams
 from common.gc_pauses import freeze_startup_objects
 from common.generated.nanovllm.worker.v1 import worker_pb2
-from common.sampling_params import SamplingParams
-from scheduler_service.engine_core import InFlightStep, TokenUpdate, drive
-from scheduler_service.sequence import Sequence
-from scheduler_service.tokenizer import eos_token_ids, load_tokenizer
-from scheduler_service.worker_lane import engine_core_from
-from worker_service.tp_group import TensorParallelCore, create_worker_core
-from worker_service.worker import PendingStep, WorkerCore
+from scheduler_service.api.tokenizer import eos_token_ids, load_tokenizer
+from scheduler_service.core.engine_core import InFlightStep, TokenUpdate, drive
+from scheduler_service.core.sequence import Sequence
+from scheduler_service.lanes.worker_lane import engine_core_from
+from worker_service.runtime.tp_group import TensorParallelCore, create_worker_core
+from worker_service.runtime.worker import PendingStep, WorkerCore
 
 Prompt = str | list[int]
 

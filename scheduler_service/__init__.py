@@ -1,2 +1,2 @@
-"""The scheduler service: sequences, block manager, scheduler, engine loop, tokenizer and
-detokenizer, the public gRPC server. Never imports torch; the offline LLM is in offline/."""
+"""The CPU-only scheduler service (never imports torch): core/ (sequences, blocks, scheduling, the step
+loop), lanes/ (one per worker), observe/ (metrics, load) and api/ (the public gRPC server)."""

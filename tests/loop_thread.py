@@ -7,7 +7,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any
 
-from scheduler_service.public_server import PublicServer, build_public_server
+from scheduler_service.api.public_server import PublicServer, build_public_server
 
 
 class LoopThread:

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import grpc
 
-from common.config import SchedulerConfig, WorkerLinkConfig
+from common.contract.config import SchedulerConfig, WorkerLinkConfig
 from common.generated.nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
-from common.worker_link import SECRET_ENV, secret_metadata
-from scheduler_service.async_engine import AsyncEngine
-from scheduler_service.tokenizer import eos_token_ids, load_tokenizer
-from scheduler_service.worker_client import GrpcWorkerClient
+from common.security.worker_secret import SECRET_ENV, secret_metadata
+from scheduler_service.api.tokenizer import eos_token_ids, load_tokenizer
+from scheduler_service.lanes.async_engine import AsyncEngine
+from scheduler_service.lanes.worker_client import GrpcWorkerClient
 from tests.loop_thread import LoopThread, PublicServerThread
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -43,13 +43,13 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None
 
 def cli(*args: str, **popen) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", SECRET_ENV: WORKER_SECRET}
-    return subprocess.Popen([sys.executable, "-m", "common.cli", "--log-level", "WARNING", *args], cwd=REPO_ROOT,
+    return subprocess.Popen([sys.executable, "-m", "launch.cli", "--log-level", "WARNING", *args], cwd=REPO_ROOT,
                             env=env, **popen)
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """Runs a `nanovllm` command to its end, its output captured as text."""
-    return subprocess.run([sys.executable, "-m", "common.cli", *args], capture_output=True, text=True, cwd=REPO_ROOT,
+    return subprocess.run([sys.executable, "-m", "launch.cli", *args], capture_output=True, text=True, cwd=REPO_ROOT,
                           timeout=timeout, env={**os.environ, SECRET_ENV: WORKER_SECRET})
 
 

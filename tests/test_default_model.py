@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from common import SamplingParams
-from common.default_model import default_model_path
+from common.formats.default_model import default_model_path
 from offline import LLM
 from tests.tiny_models import hf_greedy_continuations
 

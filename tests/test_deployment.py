@@ -77,9 +77,9 @@ def test_prometheus_and_grafana_mount_the_monitoring_files(compose: dict) -> Non
     prometheus, grafana = compose["services"]["prometheus"], compose["services"]["grafana"]
     mounts = dict(bind_mount(volume) for service in (prometheus, grafana) for volume in service["volumes"])
     assert mounts == {
-        "scheduler_service/monitoring/prometheus.yml": "/etc/prometheus/prometheus.yml",
-        "scheduler_service/monitoring/grafana/provisioning": "/etc/grafana/provisioning",
-        "scheduler_service/monitoring/grafana/dashboards": "/var/lib/grafana/dashboards",
+        "scheduler_service/observe/monitoring/prometheus.yml": "/etc/prometheus/prometheus.yml",
+        "scheduler_service/observe/monitoring/grafana/provisioning": "/etc/grafana/provisioning",
+        "scheduler_service/observe/monitoring/grafana/dashboards": "/var/lib/grafana/dashboards",
     }
     assert all((REPO_ROOT / source).exists() for source in mounts)
     assert {int(p["published"]) for s in (prometheus, grafana) for p in s["ports"]} == {9090, 3000}

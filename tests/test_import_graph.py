@@ -122,6 +122,6 @@ def test_imports_resolve_relative_and_function_level_forms(tmp_path: Path) -> No
 
 def test_no_import_cycles() -> None:
     graph = import_graph()
-    assert "worker_service.model_runner" in graph and graph["worker_service.model_runner"]
+    assert "worker_service.runtime.model_runner" in graph and graph["worker_service.runtime.model_runner"]
     cycles = find_cycles(graph)
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)

@@ -1,4 +1,4 @@
-"""The monitoring files (scheduler_service/monitoring/) against what the scheduler really exports:
+"""The monitoring files (scheduler_service/observe/monitoring/) against what the scheduler really exports:
 the Grafana dashboard queries only metrics a live /metrics endpoint serves, Prometheus scrapes the
 port compose.yaml gives the scheduler, and the README lists every metric."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 import yaml
 
-from scheduler_service.load_report import LoadReport, WorkerLoad
-from scheduler_service.metrics import MetricsServer, ServiceMetrics
+from scheduler_service.observe.load_report import LoadReport, WorkerLoad
+from scheduler_service.observe.metrics import MetricsServer, ServiceMetrics
 from tests.metrics_scrape import scrape
 from tests.services_harness import REPO_ROOT
 

@@ -15,7 +15,7 @@ import pytest
 
 from common.client import GenerationClient, build_request
 from common.generated.nanovllm.generate.v1 import generate_pb2, generate_pb2_grpc
-from common.worker_link import SECRET_ENV
+from common.security.worker_secret import SECRET_ENV
 from tests.metrics_scrape import scrape, value
 from tests.services_harness import REPO_ROOT, WORKER_SECRET, cli, free_port, stop, wait_until
 from tests.test_services_e2e import model_with_tokenizer
@@ -36,7 +36,7 @@ class Services:
         self.log_path = log_path
         with log_path.open("w") as log:
             self.scheduler = subprocess.Popen(
-                [sys.executable, "-m", "common.cli", "--log-format", "json", "scheduler", "--worker",
+                [sys.executable, "-m", "launch.cli", "--log-format", "json", "scheduler", "--worker",
                  ",".join(self.addresses), "--port", str(self.port), "--metrics-port", str(self.metrics_port)],
                 cwd=REPO_ROOT, stderr=log, env={**os.environ, SECRET_ENV: WORKER_SECRET})
         self.client = GenerationClient(f"127.0.0.1:{self.port}", timeout=120)

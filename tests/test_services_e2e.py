@@ -212,7 +212,7 @@ def test_stop_string_split_across_tokens_over_grpc(services: GenerationClient, o
                                                    small_model: Path) -> None:
     """A stop string taken from the middle of a known output, spanning a token boundary: the
     stream ends right before it, and no delta ever carried any of it."""
-    from scheduler_service.tokenizer import load_tokenizer
+    from scheduler_service.api.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(str(small_model))
     expected = offline[0]
@@ -240,7 +240,7 @@ def test_logprobs_over_grpc_equal_transformers(services: GenerationClient, small
     import torch
     from transformers import AutoModelForCausalLM
 
-    from scheduler_service.tokenizer import load_tokenizer
+    from scheduler_service.api.tokenizer import load_tokenizer
 
     result = services.generate(PROMPTS[1], temperature=0, max_tokens=12, ignore_eos=True, logprobs=True,
                                top_logprobs=3)

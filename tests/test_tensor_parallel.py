@@ -14,13 +14,13 @@ import torch
 
 from common import SamplingParams
 from common.client import GenerationClient
-from common.config import SchedulerConfig, WorkerConfig
+from common.contract.config import SchedulerConfig, WorkerConfig
 from offline import LLM
 from tests.services_harness import InProcessScheduler, free_port, run_cli, start_scheduler, stop, wait_until
 from tests.services_harness import cli as start_cli
 from tests.test_engine_parity import make_prompts, token_ids
 from tests.tiny_models import make_tiny_checkpoint, save_tiny_bpe_tokenizer
-from worker_service.tp_group import check_tensor_parallel
+from worker_service.runtime.tp_group import check_tensor_parallel
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 # Sharded KV heads; and one KV head replicated on both ranks, tied embeddings and a vocabulary that

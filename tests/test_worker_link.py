@@ -20,9 +20,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import SamplingParams
 from common.client import GenerationClient
-from common.config import SchedulerConfig, WorkerLinkConfig
+from common.contract.config import SchedulerConfig, WorkerLinkConfig
 from common.generated.nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
-from common.worker_link import SECRET_ENV, secret_metadata
+from common.security.worker_secret import SECRET_ENV, secret_metadata
 from offline import LLM
 from tests.certificates import CertificateAuthority, write_pem_files
 from tests.services_harness import (
@@ -122,7 +122,7 @@ def test_a_second_claimant_and_unauthenticated_callers_change_nothing(model, wor
         release = worker_pb2.ReleaseRequest(seq_ids=list(range(1, 64)), session_id="intruder")
         assert call_code(stub.Release, release, metadata=metadata)[0] == grpc.StatusCode.ABORTED
         # A whole second scheduler: its claim is refused, it never becomes ready.
-        caplog.set_level(logging.ERROR, logger="scheduler_service.worker_lane")
+        caplog.set_level(logging.ERROR, logger="scheduler_service.lanes.worker_lane")
         second = InProcessScheduler(model, port).start()
         wait_until(lambda: any("refused us" in r.getMessage() and "FAILED_PRECONDITION" in r.getMessage()
                                for r in caplog.records), timeout=60, what="the second scheduler's refused claim")
@@ -248,7 +248,7 @@ def run_health(target: str, *args: str) -> tuple[subprocess.CompletedProcess, fl
     """`nanovllm health` with a 60 s --timeout and no worker secret, and the seconds it took."""
     env = {key: value for key, value in os.environ.items() if key != SECRET_ENV}
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "common.cli", "health", "--target", target, "--timeout", "60",
+    result = subprocess.run([sys.executable, "-m", "launch.cli", "health", "--target", target, "--timeout", "60",
                              *args], capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=120)
     return result, time.monotonic() - started
 
@@ -309,7 +309,7 @@ def test_worker_on_a_port_in_use_exits_naming_the_port() -> None:
 
 def test_worker_without_a_secret_refuses_to_start() -> None:
     env = {key: value for key, value in os.environ.items() if key != SECRET_ENV}
-    result = subprocess.run([sys.executable, "-m", "common.cli", "worker", "--model", "unused"], capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "launch.cli", "worker", "--model", "unused"], capture_output=True,
                             text=True, cwd=REPO_ROOT, env=env, timeout=60)
     assert result.returncode == 2
     assert result.stderr.strip().startswith("nanovllm worker: worker secret: none given; set NANOVLLM_WORKER_SECRET")

@@ -22,7 +22,7 @@ def test_bad_option_values_exit_2_naming_the_option(args: list[str], message: st
 
 
 def test_health_with_an_unreadable_tls_file_exits_2_naming_it(tmp_path) -> None:
-    """The client reads its PEM files with common.tls, as the services do: a bad option, exit 2."""
+    """The client reads its PEM files with common.security.tls, as the services do: a bad option, exit 2."""
     missing = tmp_path / "ca.pem"
     result = run_cli("health", "--target", "127.0.0.1:1", "--ca-cert", str(missing))
     assert result.returncode == 2
@@ -31,23 +31,23 @@ def test_health_with_an_unreadable_tls_file_exits_2_naming_it(tmp_path) -> None:
     assert (result.returncode, result.stderr) == (2, "nanovllm health: tls cert and key: give both or neither\n")
 
 def test_serve_hands_every_worker_field_to_its_worker_command() -> None:
-    from common.cli import build_parser, worker_config
-    from common.config import ObservabilityConfig, WorkerConfig
-    from scheduler_service.serve import worker_command
+    from common.contract.config import ObservabilityConfig, WorkerConfig
+    from launch.cli import build_parser, worker_config
+    from launch.serve import worker_command
 
     config = WorkerConfig("m.gguf", dtype="float16", device="cpu", block_size=32, max_model_len=77,
                           gpu_memory_utilization=0.5, cpu_kv_cache_bytes=3 << 28, num_kv_blocks=9, enforce_eager=True,
                           attention_backend="torch", kv_cache_dtype="fp8", seed=5, max_num_seqs=3,
                           max_num_batched_tokens=99, tensor_parallel_size=2, cpu_weight_format="int4")
     argv = worker_command(config, ObservabilityConfig(log_level="DEBUG"), 1234)
-    args = build_parser().parse_args(argv[argv.index("common.cli") + 1:])
+    args = build_parser().parse_args(argv[argv.index("launch.cli") + 1:])
     assert (worker_config(args), args.log_level, args.port) == (config, "DEBUG", 1234)
 
 
 def test_todays_flag_spellings_reach_the_configs() -> None:
-    from common.cli import build_parser
-    from common.config import PublicServerConfig, SchedulerConfig, WorkerLinkConfig
-    from common.config_flags import config_from
+    from common.contract.config import PublicServerConfig, SchedulerConfig, WorkerLinkConfig
+    from common.contract.config_flags import config_from
+    from launch.cli import build_parser
 
     args = build_parser().parse_args(["scheduler", "--worker", "w:1", "--no-prefix-caching", "--worker-timeout", "5",
                                       "--worker-takeover", "--worker-tls-ca", "ca.pem", "--no-reflection",
@@ -66,5 +66,5 @@ def test_no_service_imports_the_cli() -> None:
     import subprocess
     import sys
 
-    code = "import sys, scheduler_service.serve, worker_service.main; print('common.cli' in sys.modules)"
+    code = "import sys, launch.serve, launch.worker; print('launch.cli' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"

@@ -1,7 +1,7 @@
 """quote(): values in error messages, cut to about 200 characters with their full length named."""
 from __future__ import annotations
 
-from common.quoting import quote
+from common.contract.quoting import quote
 
 
 def test_short_values_are_quoted_whole() -> None:

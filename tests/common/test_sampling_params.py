@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from common.client import SAMPLING_FIELDS
+from common.contract.sampling_params import PARAMS, WORKER_PARAMS, SamplingParams
 from common.generated.nanovllm.generate.v1 import generate_pb2
 from common.generated.nanovllm.worker.v1 import worker_pb2
-from common.sampling_params import PARAMS, WORKER_PARAMS, SamplingParams
 
 
 def test_every_parameter_travels_in_fields_of_both_protos() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import WorkerLinkConfig
-from common.worker_link import SECRET_ENV, is_authorized, load_secret, secret_metadata
+from common.contract.config import WorkerLinkConfig
+from common.security.worker_secret import SECRET_ENV, is_authorized, load_secret, secret_metadata
 
 SECRET = "s3cret-s3cret-s3cret"
 

@@ -8,13 +8,13 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from common.config import WorkerInfo
-from common.sampling_params import SamplingParams
-from scheduler_service.async_engine import RequestOutput
-from scheduler_service.errors import EngineUnavailableError, QueueFullError, RequestError
-from scheduler_service.load_report import LoadReport, WorkerLoad
-from scheduler_service.metrics import ServiceMetrics
-from scheduler_service.sequence import FinishReason
+from common.contract.config import WorkerInfo
+from common.contract.sampling_params import SamplingParams
+from scheduler_service.core.errors import EngineUnavailableError, QueueFullError, RequestError
+from scheduler_service.core.sequence import FinishReason
+from scheduler_service.lanes.async_engine import RequestOutput
+from scheduler_service.observe.load_report import LoadReport, WorkerLoad
+from scheduler_service.observe.metrics import ServiceMetrics
 from tests.loop_thread import LoopThread, PublicServerThread
 
 WORDS = ["[UNK]", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>",

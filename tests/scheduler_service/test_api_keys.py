@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_service.api_keys import API_KEYS_ENV, ApiKeys
+from common.security.api_keys import API_KEYS_ENV, ApiKeys
 from tests.services_harness import run_cli
 
 

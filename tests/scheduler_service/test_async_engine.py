@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 
-from common.config import SchedulerConfig
+from common.contract.config import SchedulerConfig
+from common.contract.sampling_params import SamplingParams
 from common.generated.nanovllm.worker.v1 import worker_pb2
-from common.sampling_params import SamplingParams
-from scheduler_service.async_engine import AsyncEngine
-from scheduler_service.sequence import FinishReason
+from scheduler_service.core.sequence import FinishReason
+from scheduler_service.lanes.async_engine import AsyncEngine
 
 VOCAB = 100
 

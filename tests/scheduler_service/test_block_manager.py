@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from common.sampling_params import SamplingParams
-from scheduler_service.block_manager import BlockManager, chain_hash
-from scheduler_service.sequence import Sequence
+from common.contract.sampling_params import SamplingParams
+from scheduler_service.core.block_manager import BlockManager, chain_hash
+from scheduler_service.core.sequence import Sequence
 
 BLOCK = 16
 

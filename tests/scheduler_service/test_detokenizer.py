@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_service.detokenizer import IncrementalDetokenizer
-from scheduler_service.tokenizer import Tokenizer, load_tokenizer
+from scheduler_service.api.tokenizer import Tokenizer, load_tokenizer
+from scheduler_service.core.detokenizer import IncrementalDetokenizer
 from tests.tiny_models import save_tiny_bpe_tokenizer
 
 TEXTS = [

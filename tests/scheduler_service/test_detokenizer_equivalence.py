@@ -14,8 +14,8 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from bench.detokenizer_speed import CountingDecoder
-from scheduler_service.detokenizer import IncrementalDetokenizer, TokenDecoder
-from scheduler_service.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_gguf
+from scheduler_service.api.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_gguf
+from scheduler_service.core.detokenizer import IncrementalDetokenizer, TokenDecoder
 from tests.tiny_models import CORPUS, save_tiny_bpe_tokenizer
 
 TEXTS = [

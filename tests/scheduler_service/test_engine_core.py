@@ -8,13 +8,13 @@ from collections.abc import Awaitable
 
 import pytest
 
-from common.config import SchedulerConfig, WorkerInfo
+from common.contract.config import SchedulerConfig, WorkerInfo
+from common.contract.sampling_params import SamplingParams
 from common.generated.nanovllm.worker.v1 import worker_pb2
-from common.sampling_params import SamplingParams
-from scheduler_service import engine_core
-from scheduler_service.engine_core import EngineCore, InFlightStep, drive
-from scheduler_service.scheduler import MIN_DECODE_PERIODS
-from scheduler_service.sequence import FinishReason, Sequence
+from scheduler_service.core import engine_core
+from scheduler_service.core.engine_core import EngineCore, InFlightStep, drive
+from scheduler_service.core.scheduler import MIN_DECODE_PERIODS
+from scheduler_service.core.sequence import FinishReason, Sequence
 
 INFO = WorkerInfo(model_name="fake", dtype="fake", block_size=16, max_model_len=256, vocab_size=100,
                   num_kv_blocks=64, device="fake", eos_token_ids=(99,))

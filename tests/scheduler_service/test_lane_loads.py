@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-from common.config import SchedulerConfig
+from common.contract.config import SchedulerConfig
+from common.contract.sampling_params import SamplingParams
 from common.generated.nanovllm.worker.v1 import worker_pb2
-from common.sampling_params import SamplingParams
-from scheduler_service.async_engine import AsyncEngine
-from scheduler_service.lane_loads import LaneLoads
+from scheduler_service.lanes.async_engine import AsyncEngine
+from scheduler_service.lanes.lane_loads import LaneLoads
 from tests.scheduler_service.test_async_engine import ScriptedWorker, collect, expected_tokens, run
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from scheduler_service.metrics import ITL_BUCKETS, MetricsServer, ServiceMetrics
+from scheduler_service.observe.metrics import ITL_BUCKETS, MetricsServer, ServiceMetrics
 from tests.metrics_scrape import scrape, value
 
 

@@ -6,12 +6,12 @@ import sys
 
 MODULES = [
     "scheduler_service",
-    "scheduler_service.async_engine",
-    "scheduler_service.public_server",
-    "scheduler_service.main",
-    "scheduler_service.serve",
+    "scheduler_service.lanes.async_engine",
+    "scheduler_service.api.public_server",
+    "launch.scheduler",
+    "launch.serve",
     "common.client",
-    "common.cli",
+    "launch.cli",
 ]
 
 
@@ -32,7 +32,7 @@ def test_loading_a_tokenizer_does_not_import_torch(tmp_path) -> None:
     folder = save_tiny_tokenizer(tmp_path)
     code = "\n".join([
         "import sys",
-        "from scheduler_service.tokenizer import load_tokenizer",
+        "from scheduler_service.api.tokenizer import load_tokenizer",
         f"tokenizer = load_tokenizer({str(folder)!r})",
         "assert tokenizer is not None",
         "print(','.join(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))))",

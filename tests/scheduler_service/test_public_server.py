@@ -12,8 +12,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from common.client import GenerationClient
 from common.generated.nanovllm.generate.v1 import generate_pb2
-from scheduler_service.public_server import SERVICE_NAME
-from scheduler_service.tokenizer import load_tokenizer
+from scheduler_service.api.public_server import SERVICE_NAME
+from scheduler_service.api.tokenizer import load_tokenizer
 from tests.scheduler_service.public_server_harness import EOS_ID, FakeEngine, ServerThread, save_tiny_tokenizer
 from tests.services_harness import wait_until
 

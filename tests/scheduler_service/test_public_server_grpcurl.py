@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from scheduler_service.public_server import SERVICE_NAME
-from scheduler_service.tokenizer import load_tokenizer
+from scheduler_service.api.public_server import SERVICE_NAME
+from scheduler_service.api.tokenizer import load_tokenizer
 from tests.grpcurl_tools import GRPCURL, json_messages
 from tests.scheduler_service.public_server_harness import FakeEngine, ServerThread, save_tiny_tokenizer
 

@@ -12,15 +12,15 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 import pytest
 
-from common import grpc_options
 from common.client import GenerationClient
-from common.config import PublicServerConfig
+from common.contract.config import PublicServerConfig
+from common.contract.sampling_params import SamplingParams
 from common.generated.nanovllm.generate.v1 import generate_pb2, generate_pb2_grpc
-from common.sampling_params import SamplingParams
-from scheduler_service.async_engine import RequestOutput
-from scheduler_service.errors import QueueFullError
-from scheduler_service.public_server import SERVICE_NAME, PortInUseError, build_public_server
-from scheduler_service.tokenizer import load_tokenizer
+from common.net import grpc_options
+from scheduler_service.api.public_server import SERVICE_NAME, PortInUseError, build_public_server
+from scheduler_service.api.tokenizer import load_tokenizer
+from scheduler_service.core.errors import QueueFullError
+from scheduler_service.lanes.async_engine import RequestOutput
 from tests.loop_thread import LoopThread
 from tests.scheduler_service.public_server_harness import FakeEngine, ServerThread, save_tiny_tokenizer
 from tests.services_harness import run_cli

@@ -14,10 +14,10 @@ import grpc
 import pytest
 
 from common.client import GenerationClient
-from common.config import PublicServerConfig
-from scheduler_service.api_keys import ApiKeys
-from scheduler_service.public_server import SERVICE_NAME
-from scheduler_service.tokenizer import load_tokenizer
+from common.contract.config import PublicServerConfig
+from common.security.api_keys import ApiKeys
+from scheduler_service.api.public_server import SERVICE_NAME
+from scheduler_service.api.tokenizer import load_tokenizer
 from tests.certificates import CertificateAuthority, replace_file
 from tests.grpcurl_tools import GRPCURL, json_messages
 from tests.scheduler_service.public_server_harness import FakeEngine, ServerThread, save_tiny_tokenizer

@@ -11,10 +11,10 @@ import pytest
 
 from common.client import build_request
 from common.generated.nanovllm.generate.v1 import generate_pb2, generate_pb2_grpc
-from common.log_format import JsonFormatter, TextFormatter
-from scheduler_service.metrics import MetricsServer, ServiceMetrics
-from scheduler_service.request_record import valid_traceparent
-from scheduler_service.tokenizer import load_tokenizer
+from launch.log_format import JsonFormatter, TextFormatter
+from scheduler_service.api.request_record import valid_traceparent
+from scheduler_service.api.tokenizer import load_tokenizer
+from scheduler_service.observe.metrics import MetricsServer, ServiceMetrics
 from tests.metrics_scrape import scrape, value
 from tests.scheduler_service.public_server_harness import FakeEngine, ServerThread, save_tiny_tokenizer
 from tests.services_harness import wait_until

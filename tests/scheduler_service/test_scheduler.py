@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import MAX_DECODE_STEPS, SchedulerConfig
-from common.sampling_params import SamplingParams
-from scheduler_service.block_manager import BlockManager
-from scheduler_service.scheduler import DECODE_PERIOD_WINDOW, MIN_DECODE_PERIODS, Scheduler, SchedulerOutput
-from scheduler_service.sequence import FinishReason, Sequence, SequenceStatus
+from common.contract.config import MAX_DECODE_STEPS, SchedulerConfig
+from common.contract.sampling_params import SamplingParams
+from scheduler_service.core.block_manager import BlockManager
+from scheduler_service.core.scheduler import DECODE_PERIOD_WINDOW, MIN_DECODE_PERIODS, Scheduler, SchedulerOutput
+from scheduler_service.core.sequence import FinishReason, Sequence, SequenceStatus
 
 BLOCK = 16
 

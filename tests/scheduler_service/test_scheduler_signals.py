@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-from common.worker_link import SECRET_ENV
+from common.security.worker_secret import SECRET_ENV
 from tests.services_harness import REPO_ROOT, WORKER_SECRET, free_port
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_during_start_up_stops_the_scheduler(signum: signal.Signals) -> None:
     # No worker listens at port 1: the scheduler waits for it, logging each attempt.
-    process = subprocess.Popen([sys.executable, "-m", "common.cli", "scheduler", "--worker", "127.0.0.1:1",
+    process = subprocess.Popen([sys.executable, "-m", "launch.cli", "scheduler", "--worker", "127.0.0.1:1",
                                 "--port", str(free_port())], cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, SECRET_ENV: WORKER_SECRET})
     try:

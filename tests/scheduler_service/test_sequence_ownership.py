@@ -11,8 +11,8 @@ import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
-from scheduler_service.block_manager import Block
-from scheduler_service.sequence import Sequence
+from scheduler_service.core.block_manager import Block
+from scheduler_service.core.sequence import Sequence
 
 PACKAGE = Path(__file__).resolve().parents[2] / "scheduler_service"
 FIELDS = {field.name for field in dataclasses.fields(Sequence)}
@@ -20,7 +20,7 @@ FIELDS = {field.name for field in dataclasses.fields(Sequence)}
 # block manager's business. A Sequence's token_ids is a list that only grows, caught as a call.
 ASSIGNED_FIELDS = FIELDS - {field.name for field in dataclasses.fields(Block)}
 LIST_METHODS = {"append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse"}
-OWNERS = {"sequence.py": FIELDS, "block_manager.py": {"block_table", "block_hashes"}}
+OWNERS = {"core/sequence.py": FIELDS, "core/block_manager.py": {"block_table", "block_hashes"}}
 
 
 def _imports_sequence(tree: ast.AST) -> bool:
@@ -61,13 +61,14 @@ def _field_writes(tree: ast.AST) -> Iterator[tuple[int, str]]:
 
 def test_only_owners_change_sequence_fields() -> None:
     checked, violations = [], []
-    for path in sorted(PACKAGE.glob("*.py")):
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = path.relative_to(PACKAGE).as_posix()
         tree = ast.parse(path.read_text(), str(path))
-        if path.name != "sequence.py" and not _imports_sequence(tree):
+        if name != "core/sequence.py" and not _imports_sequence(tree):
             continue
-        checked.append(path.name)
-        allowed = OWNERS.get(path.name, set())
-        violations += [f"{path.name}:{line} changes Sequence.{name}" for line, name in _field_writes(tree)
-                       if name not in allowed]
-    assert {"scheduler.py", "engine_core.py", "step_builder.py", "worker_lane.py"} <= set(checked)
+        checked.append(name)
+        allowed = OWNERS.get(name, set())
+        violations += [f"{name}:{line} changes Sequence.{field}" for line, field in _field_writes(tree)
+                       if field not in allowed]
+    assert {"core/scheduler.py", "core/engine_core.py", "core/step_builder.py", "lanes/worker_lane.py"} <= set(checked)
     assert violations == []

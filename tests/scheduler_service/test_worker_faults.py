@@ -1,4 +1,4 @@
-"""How the engine loop treats each kind of worker fault (scheduler_service/worker_faults.py),
+"""How the engine loop treats each kind of worker fault (scheduler_service/lanes/worker_faults.py),
 against the scripted worker (no torch): a protocol error fails only its step's requests, once (also
 through the public server, with requests in the failed step, in the step after it and waiting); a
 Step that never returns hits its deadline over real gRPC and its requests are recomputed; a lost
@@ -14,14 +14,14 @@ import grpc
 import pytest
 
 from common.client import GenerationClient
-from common.config import SchedulerConfig
+from common.contract.config import SchedulerConfig
+from common.contract.sampling_params import SamplingParams
 from common.generated.nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
-from common.sampling_params import SamplingParams
-from scheduler_service.async_engine import AsyncEngine
-from scheduler_service.engine_core import InFlightStep, drive
-from scheduler_service.errors import WorkerLostError, WorkerStepError
-from scheduler_service.sequence import FinishReason
-from scheduler_service.worker_client import GrpcWorkerClient
+from scheduler_service.core.engine_core import InFlightStep, drive
+from scheduler_service.core.errors import WorkerLostError, WorkerStepError
+from scheduler_service.core.sequence import FinishReason
+from scheduler_service.lanes.async_engine import AsyncEngine
+from scheduler_service.lanes.worker_client import GrpcWorkerClient
 from tests.loop_thread import LoopThread, PublicServerThread
 from tests.scheduler_service.test_async_engine import ScriptedWorker, collect, expected_tokens, run
 from tests.services_harness import LINK, wait_until

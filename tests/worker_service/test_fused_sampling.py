@@ -25,7 +25,7 @@ skip_module_unless_kernels_run()
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from common.sampling_params import SamplingParams  # noqa: E402
+from common.contract.sampling_params import SamplingParams  # noqa: E402
 from worker_service.sampling.fused_sampling import (  # noqa: E402
     BLOCK,
     REDUCE_BLOCK,

@@ -13,7 +13,8 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from common.gguf_file import BLOCK_LAYOUTS, GGUFFile, block_layout  # noqa: E402
+from common.formats.gguf_file import BLOCK_LAYOUTS, GGUFFile, block_layout  # noqa: E402
+from worker_service.layers.rotary import RopeScaling  # noqa: E402
 from worker_service.loader.gguf_dequant import SUPPORTED_TYPES, dequantize  # noqa: E402
 from worker_service.loader.gguf_loader import (  # noqa: E402
     gguf_model_config,
@@ -21,7 +22,7 @@ from worker_service.loader.gguf_loader import (  # noqa: E402
     iter_gguf_hf_tensors,
     unpermute_rotary_rows,
 )
-from worker_service.model_config import ModelConfig, RopeScaling  # noqa: E402
+from worker_service.models.config import ModelConfig  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 # byte offsets of the float16 scales inside each block (random bytes there could be inf/nan)

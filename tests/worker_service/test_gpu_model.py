@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from common import SamplingParams
-from common.config import WorkerConfig
+from common.contract.config import WorkerConfig
 from tests.tiny_models import hf_greedy_generate, make_tiny_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -58,7 +58,7 @@ def test_one_sequence_prefills_through_their_graph_token_exact(checkpoint: Path,
     """A lone request's prefill replays a padded prefill graph (the repeated prompt: only its
     uncached tail), and the tokens stay transformers' own in float32."""
     from offline import LLM
-    from worker_service.cuda_graphs import PrefillGraphs
+    from worker_service.runtime.cuda_graphs import PrefillGraphs
 
     replayed: list[int] = []
     run = PrefillGraphs.run
@@ -83,10 +83,10 @@ def test_one_sequence_prefills_through_their_graph_token_exact(checkpoint: Path,
 def teacher_forced_logits(checkpoint: Path, tokens: list[int], prompt_len: int) -> torch.Tensor:
     """Our bf16 logits at positions prompt_len-1 .. len-2: the prompt in two prefill chunks, then
     one decode step per token, replayed through the CUDA graph."""
-    from worker_service.batch import ScheduledChunk, build_model_input
     from worker_service.layers import fused_kernels
-    from worker_service.model_runner import ModelRunner
-    from worker_service.sequence_state import WorkerSequence
+    from worker_service.runtime.batch import ScheduledChunk, build_model_input
+    from worker_service.runtime.model_runner import ModelRunner
+    from worker_service.runtime.sequence_state import WorkerSequence
 
     config = WorkerConfig(model=str(checkpoint), device="cuda", dtype="bfloat16", block_size=16, num_kv_blocks=64,
                           max_num_seqs=4, max_num_batched_tokens=512)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from common.config import WorkerConfig
+from common.contract.config import WorkerConfig
 from tests.tiny_models import make_tiny_checkpoint
-from worker_service.model_runner import ModelRunner
+from worker_service.runtime.model_runner import ModelRunner
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.config import WorkerConfig
+from common.contract.config import WorkerConfig
 from worker_service.attention import get_attention_backend
 from worker_service.attention.base import AttentionMetadata
 from worker_service.attention.kv_quant import (
@@ -17,7 +17,7 @@ from worker_service.attention.kv_quant import (
     kv_cache_torch_dtype,
     quantize,
 )
-from worker_service.model_runner import KVCacheSpec
+from worker_service.runtime.model_runner import KVCacheSpec
 
 
 def test_each_head_vector_gets_its_own_scale() -> None:
@@ -95,9 +95,9 @@ def test_torch_backend_over_fp8_is_attention_over_the_dequantized_cache() -> Non
 
 
 def test_cli_flag_reaches_the_worker_config_and_serve_forwards_it() -> None:
-    from common.cli import build_parser, worker_config
-    from common.config import ObservabilityConfig
-    from scheduler_service.serve import worker_command
+    from common.contract.config import ObservabilityConfig
+    from launch.cli import build_parser, worker_config
+    from launch.serve import worker_command
 
     args = build_parser().parse_args(["serve", "--model", "m.gguf", "--kv-cache-dtype", "fp8"])
     assert worker_config(args).kv_cache_dtype == "fp8"

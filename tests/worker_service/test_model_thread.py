@@ -1,4 +1,4 @@
-"""The worker loads its model on the thread that runs it (worker_service.server.model_thread): on a
+"""The worker loads its model on the thread that runs it (worker_service.api.server.model_thread): on a
 CPU a second thread that ran torch's parallel ops would keep a second OpenMP team, and with more
 team threads than cores libgomp stops spinning between ops (single-stream decode of the default
 model at less than half speed on 2 cores)."""
@@ -9,8 +9,9 @@ import threading
 
 import pytest
 
-from common.config import WorkerConfig, WorkerLinkConfig
-from worker_service import main, tp_group
+from common.contract.config import WorkerConfig, WorkerLinkConfig
+from launch import worker as main
+from worker_service.runtime import tp_group
 
 
 class _Loaded(Exception):

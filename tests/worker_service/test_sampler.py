@@ -14,7 +14,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from common.sampling_params import SamplingParams
+from common.contract.sampling_params import SamplingParams
 from worker_service.sampling.sampler import Sampler, apply_penalties, seeded_exponential_noise
 from worker_service.sampling.sampling_state import SamplingBatch, SamplingRows, generator_seed
 from worker_service.sampling.vocab_parallel import VocabSlice, argmax_of_slice, pick_best

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from worker_service import tp_group
-from worker_service.step_channel import MessageKind
-from worker_service.tp_group import TensorParallelCore
+from worker_service.parallel.step_channel import MessageKind
+from worker_service.runtime import tp_group
+from worker_service.runtime.tp_group import TensorParallelCore
 
 
 class GroupExit(BaseException):

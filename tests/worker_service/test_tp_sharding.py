@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from tests.tiny_models import make_tiny_checkpoint
-from worker_service import distributed
 from worker_service.attention import get_attention_backend
-from worker_service.model_loading import load_checkpoint
+from worker_service.loader.model_loading import load_checkpoint
+from worker_service.parallel import distributed
 
 NUM_RANKS = 2
 SHAPES = {

@@ -1,5 +1,5 @@
 """Model building blocks (norms, rotary embedding, fused linears, embeddings). The linears and the
-embedding/head apply tensor parallelism themselves (worker_service.distributed says the rank), so
+embedding/head apply tensor parallelism themselves (worker_service.parallel.distributed says the rank), so
 the models read the same at any rank count."""
 
 from worker_service.layers.activation import SiluAndMul

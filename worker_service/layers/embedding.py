@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_service.distributed import all_gather_vocab, all_reduce, partial_sum_buffer, tp_rank, tp_size
 from worker_service.layers.linear import ShardId, attach_loader, check_shape
+from worker_service.parallel.distributed import all_gather_vocab, all_reduce, partial_sum_buffer, tp_rank, tp_size
 
 
 class VocabParallelWeight(nn.Module):

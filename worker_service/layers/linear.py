@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_service.distributed import all_reduce, partial_sum_buffer, tp_rank, tp_size
+from worker_service.parallel.distributed import all_reduce, partial_sum_buffer, tp_rank, tp_size
 
 if TYPE_CHECKING:
     from worker_service.layers.norm import RMSNorm

@@ -6,11 +6,21 @@ gathers rows by position: no per-step recomputation and nothing that breaks CUDA
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from worker_service.model_config import ModelConfig, RopeScaling
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary scaling as HF's rope_scaling: kind is "default", "linear", "dynamic" or "llama3"."""
+
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
 
 
 def _default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
@@ -83,10 +93,6 @@ class RotaryEmbedding(nn.Module):
             freqs = torch.cat([freqs, extra], dim=0)
         self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_positions, head_dim // 2]
         self.register_buffer("sin", freqs.sin(), persistent=False)
-
-    @classmethod
-    def from_config(cls, config: ModelConfig) -> RotaryEmbedding:
-        return cls(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from common.gguf_file import GGMLType, GGUFFile, block_layout, type_name
+from common.formats.gguf_file import GGMLType, GGUFFile, block_layout, type_name
 
 _CHUNK_ELEMENTS = 1 << 18  # output elements per work item: 1 MiB of float32, fits in L2 with temporaries
 _MAX_THREADS = 8
@@ -162,7 +162,7 @@ _BLOCK_KERNELS: dict[int, BlockKernel] = {
 }
 _PLAIN_FORMATS = {GGMLType.F32: np.float32, GGMLType.F16: np.float16}
 
-# what dequantize handles (the test checks it is every type of common.gguf_file.BLOCK_LAYOUTS)
+# what dequantize handles (the test checks it is every type of common.formats.gguf_file.BLOCK_LAYOUTS)
 SUPPORTED_TYPES: frozenset[int] = frozenset([*_BLOCK_KERNELS, *_PLAIN_FORMATS, GGMLType.BF16])
 
 

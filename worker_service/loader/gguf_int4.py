@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.gguf_file import GGMLType, GGUFFile
+from common.formats.gguf_file import GGMLType, GGUFFile
 from worker_service.loader.gguf_loader import unpermute_rotary_rows
 
 GROUP_SIZE = 32

@@ -12,9 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from common.gguf_file import GGUFFile
+from common.formats.gguf_file import GGUFFile
+from worker_service.layers.rotary import RopeScaling
 from worker_service.loader.gguf_dequant import dequantize_tensor
-from worker_service.model_config import ModelConfig, RopeScaling
+from worker_service.models.config import ModelConfig
 
 _ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 

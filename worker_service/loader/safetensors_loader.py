@@ -11,8 +11,8 @@ from torch import nn
 
 from worker_service.attention import AttentionBackend, default_backend_name, get_attention_backend
 from worker_service.loader.weight_mapping import LoadedKey, check_all_loaded, load_named_tensor
-from worker_service.model_config import ModelConfig
 from worker_service.models import LlamaForCausalLM, build_model
+from worker_service.models.config import ModelConfig
 
 
 def checkpoint_files(folder: str | Path) -> list[Path]:

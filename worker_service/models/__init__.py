@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from worker_service.attention.base import AttentionBackend
-from worker_service.model_config import ModelConfig
+from worker_service.models.config import ModelConfig
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.models.qwen3 import Qwen3ForCausalLM
 

@@ -20,7 +20,7 @@ from worker_service.layers import (
     VocabEmbedding,
     normed_linear,
 )
-from worker_service.model_config import ModelConfig
+from worker_service.models.config import ModelConfig
 
 
 class Attention(nn.Module):
@@ -105,7 +105,8 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        rotary = RotaryEmbedding.from_config(config)
+        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                 config.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(config, rotary, backend) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

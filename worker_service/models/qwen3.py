@@ -6,7 +6,7 @@ class only pins the architecture.
 from __future__ import annotations
 
 from worker_service.attention.base import AttentionBackend
-from worker_service.model_config import ModelConfig
+from worker_service.models.config import ModelConfig
 from worker_service.models.llama import LlamaForCausalLM
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common.sampling_params import SamplingParams
+from common.contract.sampling_params import SamplingParams
 
 # Odd 64-bit constants (from splitmix64) used to mix (seed, output_index) into one generator seed.
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker_service.distributed import all_gather_rows
+from worker_service.parallel.distributed import all_gather_rows
 
 
 @dataclass(frozen=True)

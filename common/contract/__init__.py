@@ -1,0 +1,1 @@
+"""What the services agree on: their configs, sampling parameters, the lookahead rule, the worker's description."""

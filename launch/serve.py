@@ -1,0 +1,123 @@
+"""`nanovllm serve`: one worker process and the scheduler on this machine; stopping this process
+stops both.
+
+The worker gets a fresh random secret through its environment (never its argv, which `ps` shows).
+If the worker process exits before it was ever ready, serve stops at once; if it exits later, its
+requests wait --worker-timeout as with any lost worker, then serve stops. Either way serve exits
+non-zero with the worker's last error line as its own last line.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import subprocess
+import sys
+import threading
+
+from common.contract.config import (
+    ObservabilityConfig,
+    PublicServerConfig,
+    SchedulerConfig,
+    WorkerConfig,
+    WorkerLinkConfig,
+)
+from common.contract.config_flags import to_argv
+from common.net.ports import check_port_free, free_port
+from common.security.worker_secret import SECRET_ENV, new_secret
+from launch.scheduler import SchedulerServiceConfig, run_scheduler_async
+from scheduler_service.api.public_server import PORT_IN_USE
+from scheduler_service.lanes.async_engine import AsyncEngine
+
+logger = logging.getLogger(__name__)
+
+
+def worker_command(config: WorkerConfig, observability: ObservabilityConfig, port: int) -> list[str]:
+    """`nanovllm worker` with config's values (the module is named, not imported: no service imports the CLI)."""
+    return [sys.executable, "-m", "launch.cli", "--log-level", observability.log_level,
+            "--log-format", observability.log_format, "worker", "--host", "127.0.0.1", "--port", str(port),
+            "--cpu-kv-cache-gb", str(config.cpu_kv_cache_bytes / 2**30), *to_argv(config)]
+
+
+class WorkerStderr:
+    """Forwards the worker's stderr to ours line by line, remembering its last non-empty line."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.last_line = ""
+        self._process = process
+        self._thread = threading.Thread(target=self._forward, name="worker-stderr", daemon=True)
+        self._thread.start()
+
+    def _forward(self) -> None:
+        assert self._process.stderr is not None
+        for line in self._process.stderr:
+            sys.stderr.write(line)
+            if line.strip():
+                self.last_line = line.strip()
+
+    def join(self) -> None:
+        self._thread.join(timeout=5)
+
+
+async def _serve(service: SchedulerServiceConfig, worker: subprocess.Popen, stderr: WorkerStderr) -> str | None:
+    """Runs the scheduler until a signal or the worker's end; returns why serve failed, if it did."""
+    stop = asyncio.Event()
+    engines: list[AsyncEngine] = []
+    failures: list[str] = []
+    stopping = False  # serve itself stops the worker: its exit is no failure
+
+    async def watch_worker() -> None:
+        code = await asyncio.to_thread(worker.wait)
+        if stopping or stop.is_set():  # Ctrl-C reaches the worker too: that exit is no failure
+            return
+        await asyncio.to_thread(stderr.join)  # its last line is in
+        failures.append(f"the worker exited with code {code}: {stderr.last_line}")
+        if engines and engines[0].model_info is not None:  # it was serving: its requests get the timeout
+            timeout_s = service.scheduler.worker_timeout_s
+            logger.error("the worker exited with code %d; stopping in %g s (--worker-timeout)", code, timeout_s)
+            await asyncio.sleep(timeout_s)
+        stop.set()
+
+    watcher = asyncio.create_task(watch_worker())
+    try:
+        await run_scheduler_async(service, stop, engines.append)
+    finally:
+        stopping = True
+        # Stopped here, so that the watcher's thread (in worker.wait) ends before the loop does.
+        await asyncio.to_thread(_stop_worker, worker)
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+    return failures[0] if failures else None
+
+
+def _stop_worker(worker: subprocess.Popen) -> None:
+    if worker.poll() is not None:
+        return
+    worker.terminate()
+    try:
+        worker.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        worker.kill()
+        worker.wait()
+
+
+def run_serve(config: WorkerConfig, scheduler: SchedulerConfig, public: PublicServerConfig,
+              observability: ObservabilityConfig, tokenizer: str | None = None) -> int:
+    """Runs a worker process with config and the scheduler with the rest until SIGTERM or SIGINT."""
+    check_port_free(public.host, public.port, PORT_IN_USE)  # before loading a model in the worker
+    port = free_port()
+    link = WorkerLinkConfig(new_secret())  # the worker inherits it through its environment
+    service = SchedulerServiceConfig(scheduler, public, link, (f"127.0.0.1:{port}",), observability,
+                                     tokenizer or config.model)
+    logger.info("starting a worker for %s on 127.0.0.1:%d", config.model, port)
+    worker = subprocess.Popen(worker_command(config, observability, port), stderr=subprocess.PIPE, text=True,
+                              errors="replace", env={**os.environ, SECRET_ENV: link.secret})
+    stderr = WorkerStderr(worker)
+    try:
+        failure = asyncio.run(_serve(service, worker, stderr))
+    finally:
+        _stop_worker(worker)
+    if failure is not None:
+        print(f"nanovllm serve: {failure}", file=sys.stderr)
+        return 1
+    return 0

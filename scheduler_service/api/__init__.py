@@ -1,0 +1,1 @@
+"""The public gRPC API: the servicer, conversions, statuses, the tokenizer, request records, reflection."""

@@ -1,0 +1,272 @@
+"""The public gRPC server: the TextGeneration service, grpc.health.v1 and server reflection.
+
+The servicer is thin: it converts a request (request_conversion), makes one engine call and
+converts the outputs back (response_conversion); exceptions become status codes in one place
+(common.net.error_mapping, with errors.STATUSES).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common.contract.config import PublicServerConfig, WorkerInfo
+from common.contract.sampling_params import SamplingParams
+from common.generated.nanovllm.generate.v1 import generate_pb2, generate_pb2_grpc
+from common.net import grpc_options
+from common.net.error_mapping import ErrorMappingInterceptor
+from common.net.ports import PortInUseError, check_port_free, grpc_address
+from common.security.api_keys import ApiKeyInterceptor, ApiKeys
+from common.security.reloading_tls import ReloadingCertificates
+from scheduler_service.api import request_conversion as convert
+from scheduler_service.api.reflection_pool import public_descriptor_pool
+from scheduler_service.api.request_record import RequestRecord
+from scheduler_service.api.response_conversion import (
+    ResponseAccumulator,
+    load_response,
+    model_info_response,
+    stream_response,
+)
+from scheduler_service.core.errors import STATUSES, EngineUnavailableError, RequestError
+from scheduler_service.lanes.async_engine import LoadReport, RequestOutput
+from scheduler_service.observe.metrics import ServiceMetrics
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["TextGeneration"].full_name
+MAX_PENDING_CALLS = 1 << 20
+
+
+PORT_IN_USE = "public port {address} is in use by another process"
+
+
+class Engine(Protocol):
+    """What the public server needs of scheduler_service.lanes.async_engine.AsyncEngine."""
+
+    model_info: WorkerInfo | None  # None until a worker has connected once
+    tokenizer: Any | None
+    metrics: ServiceMetrics  # the request metrics are recorded here
+
+    @property
+    def is_ready(self) -> bool: ...
+
+    def load(self) -> LoadReport:
+        """Running and waiting requests and KV usage per worker."""
+
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
+        """Closing the generator early aborts the request and frees its KV blocks. The handlers close
+        it as soon as they end, however they end: when the client cancels while a message is being
+        sent, the generator is suspended at a yield and would keep its blocks until closed."""
+
+
+class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        # Tokenizing a long prompt takes milliseconds: off the event loop, so that other requests'
+        # deltas keep flowing. One thread: the tokenizers library does not promise thread safety (a
+        # tokenizer shared between threads has failed with "Already borrowed").
+        self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+
+    async def _run_tokenizer(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+
+    def _model_info(self) -> WorkerInfo:
+        """The model's limits, known once a worker has connected (before: UNAVAILABLE, as health
+        says NOT_SERVING)."""
+        model_info = self.engine.model_info
+        if model_info is None:
+            raise EngineUnavailableError("no worker is ready")
+        return model_info
+
+    def _convert(self, request: generate_pb2.GenerateRequest) -> tuple[list[int], SamplingParams]:
+        model_info = self._model_info()
+        prompt = convert.prompt_token_ids(request, self.engine.tokenizer, model_info)
+        return prompt, convert.sampling_params(request, len(prompt), model_info)
+
+    async def Generate(self, request: generate_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> generate_pb2.GenerateResponse:
+        request_id = convert.request_id_of(request)
+        with RequestRecord(self.engine.metrics, "Generate", request_id, context) as record:
+            prompt, params = await self._run_tokenizer(self._convert, request)
+            response = ResponseAccumulator(request_id)
+            async with contextlib.aclosing(self.engine.generate(prompt, params)) as outputs:
+                async for output in outputs:
+                    record.on_output(output)
+                    response.add(output)
+        return response.result()
+
+    async def GenerateStream(self, request: generate_pb2.GenerateRequest,
+                             context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateStreamResponse]:
+        request_id = convert.request_id_of(request)
+        with RequestRecord(self.engine.metrics, "GenerateStream", request_id, context) as record:
+            prompt, params = await self._run_tokenizer(self._convert, request)
+            async with contextlib.aclosing(self.engine.generate(prompt, params)) as outputs:
+                async for output in outputs:
+                    record.on_output(output)
+                    yield stream_response(request_id, output)
+
+    async def Tokenize(self, request: generate_pb2.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> generate_pb2.TokenizeResponse:
+        tokenizer = self.engine.tokenizer
+        kind = request.WhichOneof("input")
+        # Text that could not fit the model's context is refused untokenized (once a worker told it).
+        model_info = self.engine.model_info
+        max_tokens = model_info.max_model_len if model_info is not None else None
+        if kind == "text":
+            add_special_tokens = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            ids = await self._run_tokenizer(convert.encode_text, tokenizer, request.text, add_special_tokens,
+                                            max_tokens)
+        elif kind == "chat":
+            ids = await self._run_tokenizer(convert.encode_chat, tokenizer, request.chat, max_tokens)
+        else:
+            raise RequestError("input: set one of text or chat")
+        return generate_pb2.TokenizeResponse(token_ids=ids)
+
+    async def Detokenize(self, request: generate_pb2.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> generate_pb2.DetokenizeResponse:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise RequestError("token_ids: this model has no tokenizer")
+        ids = list(request.token_ids)
+        convert.check_vocabulary(ids, "token_ids", self._model_info().vocab_size)
+        text = await self._run_tokenizer(
+            lambda: tokenizer.decode(ids, skip_special_tokens=request.skip_special_tokens))
+        return generate_pb2.DetokenizeResponse(text=text)
+
+    async def GetModelInfo(self, request: generate_pb2.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> generate_pb2.GetModelInfoResponse:
+        return model_info_response(self._model_info(), self.engine.tokenizer)
+
+    async def GetLoad(self, request: generate_pb2.GetLoadRequest,
+                      context: grpc.aio.ServicerContext) -> generate_pb2.GetLoadResponse:
+        return load_response(self.engine.load())
+
+    def close(self) -> None:
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+
+class PublicServer:
+    """A built, not yet started public server. `port` is the bound port (useful with port 0).
+
+    Health: both "" and SERVICE_NAME report NOT_SERVING until engine.is_ready, SERVING while it is,
+    NOT_SERVING again if it stops being ready, and NOT_SERVING for good once set_not_serving() or
+    stop() is called (so load balancers drain the server before it goes away).
+    """
+
+    def __init__(self, server: grpc.aio.Server, port: int, engine: Engine, servicer: TextGenerationServicer,
+                 health_servicer: health.aio.HealthServicer, readiness_poll_s: float) -> None:
+        self.server = server
+        self.port = port
+        self.engine = engine
+        self.servicer = servicer
+        self.health = health_servicer
+        self.readiness_poll_s = readiness_poll_s
+        self._watch_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+        self._watch_task = asyncio.create_task(self._watch_readiness(), name="health-readiness")
+        logger.info("public gRPC server listening on port %d", self.port)
+
+    async def set_not_serving(self) -> None:
+        """Reports NOT_SERVING from now on, whatever the engine's state (call when draining)."""
+        await self.health.enter_graceful_shutdown()
+
+    async def stop(self, grace: float | None) -> None:
+        """Reports NOT_SERVING, then stops: calls in flight get `grace` seconds to finish."""
+        await self.set_not_serving()
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+        await self.server.stop(grace)
+        self.servicer.close()
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+    async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)
+
+    async def _watch_readiness(self) -> None:
+        # The engine offers a flag, not an event: polling it keeps the engine free of health logic.
+        was_ready: bool | None = None
+        while True:
+            is_ready = self.engine.is_ready
+            if is_ready != was_ready:
+                serving = health_pb2.HealthCheckResponse.SERVING if is_ready else \
+                    health_pb2.HealthCheckResponse.NOT_SERVING
+                await self._set_health(serving)
+                logger.info("health: %s", health_pb2.HealthCheckResponse.ServingStatus.Name(serving))
+                was_ready = is_ready
+            await asyncio.sleep(self.readiness_poll_s)
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Keepalive and message-size options, set explicitly rather than left to gRPC's defaults.
+
+    A long prefill sends no data frames for seconds: keepalive pings (grpc.keepalive_time_ms and
+    keepalive_timeout_ms, allowed with no data in between: http2.max_pings_without_data 0) let the
+    server notice a vanished client and free its KV blocks, and the client's pings keep proxies and
+    NATs from dropping the quiet connection; http2.min_ping_interval_without_data_ms must then
+    allow the clients' ping rate, or the server answers their pings with GOAWAY (too_many_pings).
+    gRPC's 4 MiB default message limit is too small for long token-id prompts and for responses
+    with top logprobs of long outputs.
+    """
+    options = dict(grpc_options.server_options())
+    options["grpc.max_send_message_length"] = max_message_bytes
+    options["grpc.max_receive_message_length"] = max_message_bytes
+    # grpc core cancels calls that wait for the application beyond its pending-request limits
+    # (1,000 soft, 3,000 hard by default) or 30 s: under a burst of calls the clients saw CANCELLED,
+    # which only a client may cause. Raised far above the server's own admission limit
+    # (max_concurrent_calls), which answers RESOURCE_EXHAUSTED instead.
+    options["grpc.server.max_pending_requests"] = MAX_PENDING_CALLS
+    options["grpc.server.max_pending_requests_hard_limit"] = MAX_PENDING_CALLS
+    options["grpc.server_max_unrequested_time_in_server"] = 3600
+    # A second server on the same port must fail to bind, not silently share the traffic.
+    options["grpc.so_reuseport"] = 0
+    return list(options.items())
+
+
+def build_public_server(engine: Engine, host: str, port: int, *,
+                        max_message_bytes: int = grpc_options.MAX_MESSAGE_BYTES,
+                        readiness_poll_s: float = 0.5, config: PublicServerConfig | None = None,
+                        api_keys: ApiKeys | None = None) -> PublicServer:
+    """Builds the server and binds host:port (port 0 picks a free one); call `await start()`.
+
+    `config` adds TLS, reflection and the admission limit (its host and port are not used: the
+    arguments are); `api_keys` makes every call but health checks need a key. Raises
+    PortInUseError when the port is taken. Must run inside the event loop that will serve it
+    (grpc.aio binds the server to that loop).
+    """
+    config = config or PublicServerConfig()
+    interceptors: list[grpc.aio.ServerInterceptor] = [ErrorMappingInterceptor(STATUSES, config.max_concurrent_calls)]
+    if api_keys is not None:
+        interceptors.insert(0, ApiKeyInterceptor(api_keys))  # first: refuse before anything is parsed
+    server = grpc.aio.server(interceptors=interceptors, options=server_options(max_message_bytes))
+    servicer = TextGenerationServicer(engine)
+    generate_pb2_grpc.add_TextGenerationServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if config.reflection:
+        reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server,
+                                            pool=public_descriptor_pool())
+    address = grpc_address(host, port)
+    check_port_free(host, port, PORT_IN_USE)
+    try:
+        if config.tls_cert is not None and config.tls_key is not None:
+            credentials = ReloadingCertificates(config.tls_cert, config.tls_key, config.tls_client_ca)
+            bound_port = server.add_secure_port(address, credentials.server_credentials())
+        else:
+            bound_port = server.add_insecure_port(address)
+    except RuntimeError as error:  # grpcio says only "Failed to bind to address"
+        raise PortInUseError(f"cannot bind the public port {address}: in use, or not an address of this "
+                             "machine") from error
+    return PublicServer(server, bound_port, engine, servicer, health_servicer, readiness_poll_s)

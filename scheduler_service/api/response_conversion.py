@@ -1,0 +1,103 @@
+"""Engine outputs (RequestOutput deltas) -> public API responses."""
+from __future__ import annotations
+
+from common.contract.config import WorkerInfo
+from common.contract.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from common.generated.nanovllm.generate.v1 import generate_pb2
+from scheduler_service.core.sequence import FinishReason
+from scheduler_service.lanes.async_engine import LoadReport, RequestOutput
+
+FINISH_REASON_TO_PROTO = {
+    FinishReason.LENGTH: generate_pb2.FINISH_REASON_LENGTH,
+    FinishReason.STOP: generate_pb2.FINISH_REASON_STOP,
+    FinishReason.STOP_SEQUENCE: generate_pb2.FINISH_REASON_STOP_SEQUENCE,
+    FinishReason.ABORTED: generate_pb2.FINISH_REASON_ABORTED,
+}
+
+Response = generate_pb2.GenerateResponse | generate_pb2.GenerateStreamResponse
+
+
+def token_logprobs(output: RequestOutput) -> list[generate_pb2.TokenLogprob]:
+    """One entry per token of the delta, when the request asked for logprobs (else empty)."""
+    if not output.logprobs:
+        return []
+    tops = output.top_logprobs or [[] for _ in output.logprobs]
+    return [
+        generate_pb2.TokenLogprob(
+            token_id=token_id, logprob=logprob,
+            top_logprobs=[generate_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top])
+        for token_id, logprob, top in zip(output.token_ids, output.logprobs, tops, strict=False)
+    ]
+
+
+def set_final_fields(message: Response, output: RequestOutput) -> None:
+    """Finish reason, matched stop and usage, which only the last output carries."""
+    if output.finish_reason is not None:
+        message.finish_reason = FINISH_REASON_TO_PROTO[output.finish_reason]
+    if isinstance(output.matched_stop, str):
+        message.matched_stop_string = output.matched_stop
+    elif isinstance(output.matched_stop, int):
+        message.matched_stop_token_id = output.matched_stop
+    message.usage.CopyFrom(generate_pb2.Usage(
+        prompt_tokens=output.num_prompt_tokens,
+        completion_tokens=output.num_output_tokens,
+        cached_tokens=output.num_cached_tokens,
+    ))
+
+
+def stream_response(request_id: str, output: RequestOutput) -> generate_pb2.GenerateStreamResponse:
+    message = generate_pb2.GenerateStreamResponse(request_id=request_id, text=output.text, token_ids=output.token_ids)
+    if output.logprobs:
+        message.logprobs.extend(token_logprobs(output))
+    if output.finished:
+        set_final_fields(message, output)
+    return message
+
+
+class ResponseAccumulator:
+    """Gathers a request's deltas into one GenerateResponse (the unary Generate)."""
+
+    def __init__(self, request_id: str) -> None:
+        self.response = generate_pb2.GenerateResponse(request_id=request_id)
+        self.text_parts: list[str] = []
+
+    def add(self, output: RequestOutput) -> None:
+        self.text_parts.append(output.text)
+        self.response.token_ids.extend(output.token_ids)
+        if output.logprobs:
+            self.response.logprobs.extend(token_logprobs(output))
+        if output.finished:
+            set_final_fields(self.response, output)
+
+    def result(self) -> generate_pb2.GenerateResponse:
+        self.response.text = "".join(self.text_parts)
+        return self.response
+
+
+def model_info_response(model_info: WorkerInfo, tokenizer: object | None) -> generate_pb2.GetModelInfoResponse:
+    return generate_pb2.GetModelInfoResponse(
+        model_name=model_info.model_name,
+        max_model_len=model_info.max_model_len,
+        vocab_size=model_info.vocab_size,
+        eos_token_ids=sorted(model_info.eos_token_ids),
+        max_stop_strings=MAX_STOP_STRINGS,
+        max_stop_string_chars=MAX_STOP_STRING_CHARS,
+        max_top_logprobs=MAX_TOP_LOGPROBS,
+        has_tokenizer=tokenizer is not None,
+        has_chat_template=getattr(tokenizer, "chat_template", None) is not None,
+        block_size=model_info.block_size,
+        num_kv_blocks=model_info.num_kv_blocks,
+    )
+
+
+def load_response(report: LoadReport) -> generate_pb2.GetLoadResponse:
+    return generate_pb2.GetLoadResponse(
+        num_requests_running=report.num_running,
+        num_requests_waiting=report.num_waiting,
+        kv_cache_usage=report.kv_cache_usage,
+        num_workers_ready=report.num_workers_ready,
+        workers=[generate_pb2.WorkerLoad(
+            address=w.address, ready=w.is_ready, num_requests_running=w.num_running,
+            num_requests_waiting=w.num_waiting, kv_cache_usage=w.kv_cache_usage, num_kv_blocks=w.num_kv_blocks,
+            num_free_kv_blocks=w.num_free_kv_blocks) for w in report.workers],
+    )

@@ -1,0 +1,1 @@
+"""The scheduler's core, free of gRPC: sequences, blocks, scheduling, the step loop, the detokenizer."""

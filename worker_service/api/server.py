@@ -1,0 +1,146 @@
+"""The worker's gRPC server: a thin servicer over WorkerCore, plus grpc.health.v1, behind the
+shared-secret interceptor (worker_service/api/interceptors.py) and the error mapping (common.net.error_mapping).
+
+Steps may arrive out of order (the scheduler sends step N+1 before step N returns, and separate
+calls on one channel are not ordered), so each Step waits for its turn by step_id (the core checks
+the order). A step's turn ends once it is launched, not once it is done: step N+1 is prepared and
+queued on the GPU while step N computes, and each reply waits for its own step's tokens.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from common.contract.config import WorkerLinkConfig
+from common.generated.nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
+from common.net.error_mapping import ErrorMappingInterceptor
+from common.net.grpc_options import server_options
+from common.net.ports import PortInUseError
+from common.security.tls import server_credentials
+from worker_service.api.interceptors import SecretInterceptor
+from worker_service.api.statuses import STATUSES, ClaimRefusedError, SessionLostError
+from worker_service.runtime.tp_group import TensorParallelCore
+from worker_service.runtime.worker import WorkerCore
+
+logger = logging.getLogger(__name__)
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+_Result = TypeVar("_Result")
+
+
+def model_thread() -> ThreadPoolExecutor:
+    """The one thread that loads the model and runs all its work. On a CPU, torch's intra-op threads
+    form one OpenMP team per thread that runs parallel ops, and with more team threads than cores
+    libgomp stops spinning between ops: a second team (a model loaded on another thread) took the
+    default model's single-stream decode from ~29 to ~11 tokens/s on 2 cores. One thread also keeps
+    launches from queueing behind a thread that waits for a step's result."""
+    num_threads = torch.get_num_threads()
+    return ThreadPoolExecutor(1, thread_name_prefix="model", initializer=lambda: torch.set_num_threads(num_threads))
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Serves one scheduler session at a time: InitCache claims the worker for a session id, and
+    Step and Release name it. A call from any other session is refused before it touches anything.
+    Model work runs on model_thread, the thread that loaded the model."""
+
+    def __init__(self, core: WorkerCore | TensorParallelCore, model_thread: ThreadPoolExecutor) -> None:
+        self.core = core
+        self._turn = asyncio.Condition()
+        self._session_id: str | None = None
+        # Counts claims: a step that waited for its turn across a claim (even its own session's,
+        # which restarts step ids at 1) belongs to state that is gone and must not run.
+        self._num_claims = 0
+        self._model_thread = model_thread
+
+    async def _on_model_thread(self, function: Callable[..., _Result], *args: object) -> _Result:
+        return await asyncio.get_running_loop().run_in_executor(self._model_thread, function, *args)
+
+    def _check_session(self, session_id: str) -> None:
+        if not session_id or session_id != self._session_id:
+            raise SessionLostError("session: this worker does not hold the caller's session (another scheduler "
+                                   "took it over, or the worker restarted); its state here is gone")
+
+    def _check_claim(self, request: worker_pb2.InitCacheRequest) -> None:
+        if not request.session_id:
+            raise ValueError("session_id: required")
+        if self._session_id not in (None, request.session_id) and not request.takeover:
+            raise ClaimRefusedError("worker: already serves another scheduler session; a scheduler that replaces "
+                                    "a stopped one takes over with --worker-takeover")
+
+    async def Describe(self, request, context):  # noqa: N802 (gRPC method names)
+        return self.core.describe()
+
+    async def InitCache(self, request, context):  # noqa: N802
+        self._check_claim(request)  # before waiting for the turn: a refused claim delays nobody
+        async with self._turn:
+            self._check_claim(request)
+            # Raises before dropping anything when the request is invalid: the session holding
+            # the worker is then untouched.
+            reply = await self._on_model_thread(self.core.init_cache, request)
+            if self._session_id not in (None, request.session_id):
+                logger.warning("a new scheduler session took the worker over; the previous one's state is dropped")
+            self._session_id = request.session_id
+            self._num_claims += 1
+            self._turn.notify_all()  # steps of a replaced session waiting for their turn fail now
+            return reply
+
+    async def Step(self, request, context):  # noqa: N802
+        self._check_session(request.session_id)
+        claim = self._num_claims
+        async with self._turn:
+            await self._turn.wait_for(lambda: self._num_claims != claim or self.core.next_step_id >= request.step_id)
+            self._check_session(request.session_id)
+            if self._num_claims != claim:
+                raise SessionLostError("session: the worker was claimed again while this step waited; its state "
+                                       "is gone")
+            try:
+                pending = await self._on_model_thread(self.core.launch, request)  # raises StepOrderError
+            finally:
+                # The next step may launch now, while this one runs on the GPU.
+                self._turn.notify_all()
+        return await asyncio.to_thread(pending.result)
+
+    async def Release(self, request, context):  # noqa: N802
+        self._check_session(request.session_id)
+        async with self._turn:
+            self._check_session(request.session_id)
+            return self.core.release(request)
+
+
+def server_credentials_for(link: WorkerLinkConfig) -> grpc.ServerCredentials | None:
+    """TLS (mutual when link.tls_ca is set) from the link's files; None for plaintext."""
+    if not link.tls_cert:
+        if link.tls_ca:
+            raise ValueError("tls_client_ca: needs --tls-cert and --tls-key")
+        return None
+    return server_credentials(link.tls_cert, link.tls_key, link.tls_ca or None)
+
+
+async def serve_worker(core: WorkerCore | TensorParallelCore, model_thread: ThreadPoolExecutor, host: str,
+                       port: int, link: WorkerLinkConfig) -> tuple[grpc.aio.Server, int]:
+    """Starts the worker's server; returns it and the bound port. Raises PortInUseError when the
+    address is taken (SO_REUSEPORT is off, so a second worker cannot share a port)."""
+    credentials = server_credentials_for(link)
+    server = grpc.aio.server(options=[*server_options(), ("grpc.so_reuseport", 0)],
+                             interceptors=[SecretInterceptor(link.secret), ErrorMappingInterceptor(STATUSES)])
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(core, model_thread), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = f"unix:{host}" if host.startswith("/") else f"{host}:{port}"
+    try:
+        bound = (server.add_secure_port(address, credentials) if credentials is not None
+                 else server.add_insecure_port(address))
+    except RuntimeError as error:  # grpcio's way of saying the bind failed
+        raise PortInUseError(f"cannot listen on {address}: address in use or not available") from error
+    await server.start()
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    logger.info("worker listening on %s%s", address if host.startswith("/") else f"{host}:{bound}",
+                " (TLS)" if credentials is not None else "")
+    return server, bound

@@ -1,0 +1,61 @@
+"""Swaps a loaded GGUF model's linears for weight-only quantized ones on the CPU (`cpu_weight_format`).
+
+The float32 model is loaded first, as on every other path; then each projection whose GGUF tensors are
+Q4_0/Q4_1 gets an Int4Linear built from the file's own codes (no re-quantization). The output head gets
+an Int8Head: per-row int8 logits pick the candidates, whose logits are then recomputed in float32 (int8
+logits alone agreed with the float32 head's top-1 at only 97 % of positions).
+The float32 layers stay inside the wrappers for prefill-sized steps.
+"""
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from common.formats.gguf_file import GGUFFile
+from worker_service.loader.gguf_int4 import Int4Groups, read_int4_groups
+from worker_service.loader.quantized_cpu import Int4Linear, Int8Head
+from worker_service.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+
+def resolve_cpu_weight_format(name: str, device_type: str, is_gguf: bool, tensor_parallel_size: int = 1) -> str:
+    """auto: int4 for GGUF checkpoints on the CPU in one process, float32 elsewhere. int4 asked for
+    on a GPU, for a checkpoint that is not GGUF, or with tensor parallelism (the int4 layers are built
+    from whole GGUF tensors, not from a rank's shard) is an error rather than a silent no-op."""
+    can_use_int4 = device_type == "cpu" and is_gguf and tensor_parallel_size == 1
+    if name == "auto":
+        return "int4" if can_use_int4 else "float32"
+    if name == "int4" and not can_use_int4:
+        raise ValueError("cpu_weight_format: int4 needs a GGUF checkpoint on the CPU and tensor_parallel_size 1")
+    return name
+
+
+def _projection_sources(config: ModelConfig) -> dict[str, list[tuple[str, int]]]:
+    """Our fused projection -> its GGUF tensors (suffix, heads to unpermute), in shard order."""
+    is_permuted = config.architecture == "llama"  # llama.cpp interleaves llama's q/k rows only
+    return {
+        "self_attn.qkv_proj": [("attn_q", config.num_heads * is_permuted),
+                               ("attn_k", config.num_kv_heads * is_permuted), ("attn_v", 0)],
+        "self_attn.o_proj": [("attn_output", 0)],
+        "mlp.gate_up_proj": [("ffn_gate", 0), ("ffn_up", 0)],
+        "mlp.down_proj": [("ffn_down", 0)],
+    }
+
+
+def quantize_gguf_model_for_cpu(model: nn.Module, gguf: GGUFFile, config: ModelConfig) -> None:
+    """Replaces, in place, every projection stored as Q4_0/Q4_1 by an Int4Linear, and the head by an Int8Head."""
+    num_int4 = 0
+    for index, layer in enumerate(model.model.layers):
+        for path, sources in _projection_sources(config).items():
+            parts = [read_int4_groups(gguf, f"blk.{index}.{suffix}.weight", heads) for suffix, heads in sources]
+            if any(part is None for part in parts):
+                continue  # some shard is not 4-bit (e.g. a Q6_K ffn_down): keep the float32 layer
+            parent_path, name = path.rsplit(".", 1)
+            parent = layer.get_submodule(parent_path)
+            setattr(parent, name, Int4Linear(getattr(parent, name), Int4Groups.concat_rows(parts)))  # type: ignore[arg-type]
+            num_int4 += 1
+    model.lm_head = Int8Head(model.lm_head)
+    logger.info("CPU weights: %d projections int4 (from the GGUF's 4-bit blocks), output head int8", num_int4)
