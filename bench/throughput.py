@@ -110,9 +110,9 @@ def run_inprocess(args: argparse.Namespace, model: str) -> dict:
             profiler.disable()
             profiler.dump_stats(args.profile)
         results[name] = {"output_tokens": sum(len(o["token_ids"]) for o in outputs), "seconds": elapsed}
-        llm.engine.block_manager.reset_prefix_cache()  # the next run starts cold, like the reference
-    results["num_kv_blocks"] = llm.engine.block_manager.num_blocks
-    results["num_preemptions"] = llm.engine.scheduler.num_preemptions
+        llm.engine.reset_prefix_cache()  # the next run starts cold, like the reference
+    results["num_kv_blocks"] = llm.engine.stats().num_kv_blocks
+    results["num_preemptions"] = llm.engine.stats().num_preemptions
     if args.itl_tokens:
         from bench.tp_measures import single_stream_latency
 

@@ -14,7 +14,7 @@ COLLECTIVE_WORDS = ("nccl", "all_reduce", "allreduce")  # in the names of the co
 def single_stream_latency(llm, num_tokens: int) -> dict:
     """One request alone: time to first token, and mean inter-token latency over num_tokens more."""
     def timed(max_tokens: int, offset: int) -> float:
-        llm.engine.block_manager.reset_prefix_cache()
+        llm.engine.reset_prefix_cache()
         prompt = [(offset * 131 + i * 7) % 500 + 1 for i in range(PROMPT_LEN)]  # within any vocabulary
         started = time.perf_counter()
         llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
@@ -35,7 +35,7 @@ def profile_decode(llm, path: str, num_seqs: int = 64, num_tokens: int = 64) -> 
     prompts = [[(s * 131 + i * 7) % 500 + 1 for i in range(PROMPT_LEN)] for s in range(num_seqs)]
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
-    llm.engine.block_manager.reset_prefix_cache()
+    llm.engine.reset_prefix_cache()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         started = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)

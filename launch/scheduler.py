@@ -13,13 +13,14 @@ from dataclasses import dataclass
 
 from common.contract.config import ObservabilityConfig, PublicServerConfig, SchedulerConfig, WorkerLinkConfig
 from common.gc_pauses import freeze_startup_objects
-from common.net.ports import check_port_free
+from common.net.ports import PUBLIC_PORT_IN_USE, check_port_free
 from common.security.api_keys import ApiKeys
 from common.security.reloading_tls import check_readable
-from scheduler_service.api.public_server import PORT_IN_USE, PublicServer, build_public_server
+from scheduler_service.api.public_server import PublicServer, build_public_server
 from scheduler_service.api.tokenizer import eos_token_ids, load_tokenizer
 from scheduler_service.lanes.async_engine import AsyncEngine
 from scheduler_service.lanes.worker_client import GrpcWorkerClient
+from scheduler_service.observe.load_report import LoadReport
 from scheduler_service.observe.metrics import MetricsServer, ServiceMetrics
 
 logger = logging.getLogger(__name__)
@@ -72,21 +73,22 @@ async def _start(service: SchedulerServiceConfig, on_engine: Callable[[AsyncEngi
     public = service.public
     api_keys = ApiKeys.from_config(public.api_key_file)
     check_readable({"tls_cert": public.tls_cert, "tls_key": public.tls_key, "tls_client_ca": public.tls_client_ca})
-    check_port_free(public.host, public.port, PORT_IN_USE)  # now, not after waiting for a worker
+    check_port_free(public.host, public.port, PUBLIC_PORT_IN_USE)  # now, not after waiting for a worker
     # One lane per worker address: data parallelism, a block pool per worker.
     workers = [GrpcWorkerClient(address, service.link) for address in service.worker_addresses]
     tokenizer_path = service.tokenizer or await _worker_model_path(workers[0])
     tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_path)
     metrics = ServiceMetrics(recording=bool(service.observability.metrics_port))  # off: nobody could read them
     engine = await AsyncEngine.start(service.scheduler, workers, tokenizer, eos_token_ids(tokenizer_path, tokenizer),
-                                     metrics)
+                                     observer=metrics)
+    metrics.set_load_source(lambda: LoadReport.of(engine.worker_stats()))
     if on_engine is not None:
         on_engine(engine)
-    server = build_public_server(engine, public.host, public.port, config=public, api_keys=api_keys)
+    server = build_public_server(engine, public.host, public.port, config=public, api_keys=api_keys, metrics=metrics)
     await server.start()
     metrics_server = None
     if service.observability.metrics_port:
-        metrics_server = MetricsServer(engine.metrics.registry, public.host, service.observability.metrics_port)
+        metrics_server = MetricsServer(metrics.registry, public.host, service.observability.metrics_port)
         logger.info("Prometheus metrics on http://%s:%d/metrics", public.host, metrics_server.port)
     freeze_startup_objects()
     logger.info("scheduler listening on %s:%d (%s, %s; worker %s); health is SERVING once the worker is ready",

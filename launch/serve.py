@@ -23,10 +23,9 @@ from common.contract.config import (
     WorkerLinkConfig,
 )
 from common.contract.config_flags import to_argv
-from common.net.ports import check_port_free, free_port
+from common.net.ports import PUBLIC_PORT_IN_USE, check_port_free, free_port
 from common.security.worker_secret import SECRET_ENV, new_secret
 from launch.scheduler import SchedulerServiceConfig, run_scheduler_async
-from scheduler_service.api.public_server import PORT_IN_USE
 from scheduler_service.lanes.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
@@ -104,7 +103,7 @@ def _stop_worker(worker: subprocess.Popen) -> None:
 def run_serve(config: WorkerConfig, scheduler: SchedulerConfig, public: PublicServerConfig,
               observability: ObservabilityConfig, tokenizer: str | None = None) -> int:
     """Runs a worker process with config and the scheduler with the rest until SIGTERM or SIGINT."""
-    check_port_free(public.host, public.port, PORT_IN_USE)  # before loading a model in the worker
+    check_port_free(public.host, public.port, PUBLIC_PORT_IN_USE)  # before loading a model in the worker
     port = free_port()
     link = WorkerLinkConfig(new_secret())  # the worker inherits it through its environment
     service = SchedulerServiceConfig(scheduler, public, link, (f"127.0.0.1:{port}",), observability,

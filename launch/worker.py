@@ -7,7 +7,7 @@ import signal
 import time
 
 from common.contract.config import WorkerConfig, WorkerLinkConfig
-from common.net.ports import check_port_free
+from common.net.ports import WORKER_PORT_IN_USE, check_port_free
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +20,7 @@ async def _serve(config: WorkerConfig, link: WorkerLinkConfig, host: str, port: 
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    check_port_free(host, port, "cannot listen on {address}: Address already in use")
+    check_port_free(host, port, WORKER_PORT_IN_USE)
     started = time.perf_counter()
     model = model_thread()  # loads the model and runs it (see model_thread for why one thread)
     try:

@@ -42,7 +42,9 @@ class PublicServerThread:
 
     async def serve(self, engine: Any, **options: Any) -> None:
         """On the loop: builds the public server on a free port and starts it; `options` go to
-        build_public_server (config, api_keys)."""
+        build_public_server (config, api_keys); the engine's own metrics, if it has any, record the calls."""
+        if hasattr(engine, "metrics"):
+            options.setdefault("metrics", engine.metrics)
         self.public = build_public_server(engine, "127.0.0.1", 0, readiness_poll_s=0.02, **options)
         await self.public.start()
 

@@ -18,6 +18,7 @@ from common.security.worker_secret import SECRET_ENV, secret_metadata
 from scheduler_service.api.tokenizer import eos_token_ids, load_tokenizer
 from scheduler_service.lanes.async_engine import AsyncEngine
 from scheduler_service.lanes.worker_client import GrpcWorkerClient
+from scheduler_service.observe.metrics import ServiceMetrics
 from tests.loop_thread import LoopThread, PublicServerThread
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -88,6 +89,7 @@ class InProcessScheduler(PublicServerThread):
         self.config = config or SchedulerConfig()
         self.link = link
         self.engine: AsyncEngine | None = None
+        self.metrics: ServiceMetrics | None = None
 
     def start(self) -> InProcessScheduler:
         self.loop_thread = LoopThread("scheduler")
@@ -95,9 +97,10 @@ class InProcessScheduler(PublicServerThread):
         async def build() -> None:
             tokenizer = load_tokenizer(str(self.model))
             worker = GrpcWorkerClient(self.worker_address, self.link)
+            self.metrics = ServiceMetrics()
             self.engine = await AsyncEngine.start(self.config, worker, tokenizer,
-                                                  eos_token_ids(str(self.model), tokenizer))
-            await self.serve(self.engine)
+                                                  eos_token_ids(str(self.model), tokenizer), observer=self.metrics)
+            await self.serve(self.engine, metrics=self.metrics)
 
         self.run(build())
         return self

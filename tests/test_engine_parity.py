@@ -53,7 +53,7 @@ def assert_generates_as_transformers(case: Case, **options) -> LLM:
     path, prompts, expected = case
     llm = LLM(str(path), **options)
     assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
-    assert llm.engine.block_manager.num_free_blocks == options["num_kv_blocks"]
+    assert llm.engine.stats().num_free_kv_blocks == options["num_kv_blocks"]
     return llm
 
 
@@ -65,11 +65,10 @@ def test_prefix_cache_hits_keep_outputs_exact(case) -> None:
     path, prompts, expected = case
     llm = LLM(str(path), block_size=16, num_kv_blocks=128)
     llm.generate(prompts[:1], GREEDY, use_tqdm=False)
-    manager = llm.engine.block_manager
-    hits_before = manager.num_prefix_hit_tokens
+    hits_before = llm.engine.stats().num_prefix_hit_tokens
     assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
     # The shared 40-token prefix: two full blocks of 16 for each of the five prompts that share it.
-    assert manager.num_prefix_hit_tokens - hits_before >= 5 * 32
+    assert llm.engine.stats().num_prefix_hit_tokens - hits_before >= 5 * 32
 
 
 def test_chunked_prefill_equals_transformers(case) -> None:
@@ -78,7 +77,7 @@ def test_chunked_prefill_equals_transformers(case) -> None:
 
 def test_preemption_equals_transformers(case) -> None:
     llm = assert_generates_as_transformers(case, block_size=16, num_kv_blocks=12)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.stats().num_preemptions > 0
 
 
 def test_block_size_256_equals_transformers(case) -> None:
@@ -91,4 +90,4 @@ def test_single_iteration_decode_steps_equal_transformers(case) -> None:
 
 def test_eight_iteration_decode_steps_with_preemption_equal_transformers(case) -> None:
     llm = assert_generates_as_transformers(case, block_size=16, num_kv_blocks=16, num_decode_steps=8)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.stats().num_preemptions > 0

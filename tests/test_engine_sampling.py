@@ -39,7 +39,7 @@ def test_seeded_request_survives_preemption(model: Path) -> None:
     params = [SEEDED, SamplingParams(temperature=0.7, max_tokens=40, ignore_eos=True),
               SamplingParams(temperature=0.7, seed=5, max_tokens=40, ignore_eos=True)]
     results = tight.generate(prompts, params, use_tqdm=False)
-    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.stats().num_preemptions > 0
     assert results[0]["token_ids"] == alone["token_ids"]
 
 
@@ -74,7 +74,7 @@ def test_prompt_too_long_raises_naming_the_prompt(model: Path) -> None:
     llm = LLM(str(model), block_size=16, num_kv_blocks=64, max_model_len=64)
     with pytest.raises(ValueError, match="^prompt: 64 tokens, the limit is 63"):
         llm.generate([[1] * 64], SamplingParams(), use_tqdm=False)
-    assert llm.engine.block_manager.num_free_blocks == 64
+    assert llm.engine.stats().num_free_kv_blocks == 64
 
 
 def test_sequence_longer_than_the_kv_pool_stops_at_its_capacity(model: Path) -> None:
@@ -83,7 +83,7 @@ def test_sequence_longer_than_the_kv_pool_stops_at_its_capacity(model: Path) -> 
     result = llm.generate([list(range(10))], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
                           use_tqdm=False)[0]
     assert result["finish_reason"] == "length" and len(result["token_ids"]) == 54
-    assert llm.engine.block_manager.num_free_blocks == 4
+    assert llm.engine.stats().num_free_kv_blocks == 4
 
 
 @pytest.mark.parametrize("penalty", [{"frequency_penalty": 0.5}, {"presence_penalty": 0.7},
@@ -93,7 +93,7 @@ def test_penalised_request_with_a_prefix_hit_equals_the_cold_one(model: Path, pe
     llm = LLM(str(model), block_size=16, num_kv_blocks=64)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **penalty)
     cold = llm.generate([list(range(40))], params, use_tqdm=False)[0]["token_ids"]
-    hits_before = llm.engine.block_manager.num_prefix_hit_tokens
+    hits_before = llm.engine.stats().num_prefix_hit_tokens
     warm = llm.generate([list(range(40))], params, use_tqdm=False)[0]["token_ids"]
-    assert llm.engine.block_manager.num_prefix_hit_tokens - hits_before == 32
+    assert llm.engine.stats().num_prefix_hit_tokens - hits_before == 32
     assert warm == cold

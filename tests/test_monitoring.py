@@ -10,12 +10,13 @@ from collections.abc import Iterator
 import pytest
 import yaml
 
-from scheduler_service.observe.load_report import LoadReport, WorkerLoad
+from scheduler_service.core.outputs import EngineStats
+from scheduler_service.observe.load_report import LoadReport
 from scheduler_service.observe.metrics import MetricsServer, ServiceMetrics
 from tests.metrics_scrape import scrape
 from tests.services_harness import REPO_ROOT
 
-MONITORING = REPO_ROOT / "scheduler_service" / "monitoring"
+MONITORING = REPO_ROOT / "scheduler_service" / "observe" / "monitoring"
 DASHBOARD = MONITORING / "grafana" / "dashboards" / "nanovllm.json"
 METRIC_NAME = re.compile(r"\bnanovllm_[a-z_]+\b")
 # The panels an operator opens first must be there.
@@ -28,7 +29,7 @@ FIRST_LOOK = ["nanovllm_num_requests_running", "nanovllm_num_requests_waiting", 
 def exported() -> Iterator[dict]:
     """Samples of a metrics endpoint over HTTP, with every labelled child in use."""
     metrics = ServiceMetrics()
-    metrics.set_load_source(lambda: LoadReport((WorkerLoad("w0", True, 1, 0, 8, 4),)))
+    metrics.set_load_source(lambda: LoadReport.of([("w0", EngineStats(True, 1, 0, 8, 4))]))
     metrics.request_success.labels("length").inc()
     metrics.request_failure.labels("CANCELLED").inc()
     server = MetricsServer(metrics.registry, "127.0.0.1", 0)

@@ -141,7 +141,8 @@ def in_process(slow_model: Path, slow_worker):
 def assert_everything_released(scheduler: InProcessScheduler, worker_port: int) -> None:
     engine = scheduler.engine
     assert engine is not None
-    wait_until(lambda: engine.num_unfinished == 0 and engine.num_free_blocks == engine.num_total_blocks,
+    wait_until(lambda: engine.num_unfinished == 0 and all(stats.num_free_kv_blocks == stats.num_kv_blocks
+                                                          for _, stats in engine.worker_stats()),
                timeout=10, what="all KV blocks back in the pool")
     wait_until(lambda: worker_describe(worker_port).num_held_sequences == 0, timeout=10,
                what="the worker to release the sequence")
@@ -151,7 +152,8 @@ def test_cancelled_stream_frees_its_blocks_at_once(in_process, slow_worker) -> N
     scheduler, client = in_process
     stream = client.stream("The quick brown fox", temperature=0, max_tokens=LONG_MAX_TOKENS, ignore_eos=True)
     received = [next(stream) for _ in range(3)]
-    assert scheduler.engine.num_free_blocks < scheduler.engine.num_total_blocks
+    ((_, stats),) = scheduler.engine.worker_stats()
+    assert stats.num_free_kv_blocks < stats.num_kv_blocks
     stream.close()  # cancels the call
     assert sum(len(d.token_ids) for d in received) < LONG_MAX_TOKENS
     assert_everything_released(scheduler, slow_worker[0])

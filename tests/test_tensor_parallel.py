@@ -50,9 +50,9 @@ def test_two_ranks_generate_as_one(name: str, tmp_path: Path) -> None:
     expected, _ = generate_twice(path, prompts)
     tokens, llm = generate_twice(path, prompts, tensor_parallel_size=2)
     assert tokens == expected
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.block_manager.num_prefix_hit_tokens >= 5 * 32
-    assert llm.engine.block_manager.num_free_blocks == OPTIONS["num_kv_blocks"]
+    assert llm.engine.stats().num_preemptions > 0
+    assert llm.engine.stats().num_prefix_hit_tokens >= 5 * 32
+    assert llm.engine.stats().num_free_kv_blocks == OPTIONS["num_kv_blocks"]
 
 
 def test_batches_that_need_whole_rows_gather_the_logits(tmp_path: Path) -> None:
@@ -153,14 +153,14 @@ def test_a_stream_completes_on_a_restarted_group_after_a_rank_dies(model: Path) 
         assert group.wait(timeout=60) == 1
         # The request was cut short: the scheduler holds it for a worker to come back.
         wait_until(lambda: not lane.is_ready, 30, "the scheduler to see the group gone")
-        assert lane.num_orphans == 1 and engine.num_unfinished == 1
+        assert lane.stats().num_waiting == 1 and engine.num_unfinished == 1
         assert sum(len(delta.token_ids) for delta in deltas) < max_tokens
         restarted = start_group(model, worker_port)
         deltas += list(stream)
         assert [token for delta in deltas for token in delta.token_ids] == undisturbed.token_ids
         assert "".join(delta.text for delta in deltas) == undisturbed.text
         assert deltas[-1].finish_reason == "length" and deltas[-1].usage.completion_tokens == max_tokens
-        assert engine.metrics.counters.worker_recoveries == 1
+        assert scheduler.metrics.counters.worker_recoveries == 1
     finally:
         client.close()
         scheduler.stop()

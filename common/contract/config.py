@@ -1,7 +1,7 @@
 """One frozen, validated configuration per service, plus the values learned at run time."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from common.contract.config_flags import option
 
@@ -51,6 +51,16 @@ class SchedulerConfig:
                                         flag="step-timeout")
     step_timeout_per_token_s: float = option(0.05, "seconds of a Step's deadline per token",
                                              flag="step-timeout-per-token")
+
+    def within(self, max_num_seqs: int, max_num_batched_tokens: int) -> SchedulerConfig:
+        """This config with its step limits lowered to a worker's (0: the worker sets none), so that no
+        step is larger than the worker is sized for."""
+        changes = {}
+        if 0 < max_num_seqs < self.max_num_seqs:
+            changes["max_num_seqs"] = max_num_seqs
+        if 0 < max_num_batched_tokens < self.max_num_batched_tokens:
+            changes["max_num_batched_tokens"] = max_num_batched_tokens
+        return replace(self, **changes) if changes else self
 
     def __post_init__(self) -> None:
         _check_fields(self)

@@ -30,8 +30,12 @@ MALFORMED_MESSAGE = ("request: not a valid protobuf message of this method's req
                      "not UTF-8)")
 # What a server interceptor's intercept_service gets to call for the method's own handler.
 Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
-# Load balancers' probes must answer while the server is full.
-UNLIMITED_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
+
+
+def is_health_check(method: str) -> bool:
+    """grpc.health.v1 is open on either port: load balancers and container checks probe it without
+    credentials, and it must answer while the server is full."""
+    return method.startswith("/grpc.health.v1.Health/")
 
 
 class OverloadError(RuntimeError):
@@ -97,7 +101,7 @@ class CallLimiter:
 
     @contextlib.contextmanager
     def admit(self, method: str) -> Iterator[None]:
-        if method in UNLIMITED_METHODS:  # neither refused nor counted (a Watch lasts as long as its client)
+        if is_health_check(method):  # neither refused nor counted (a Watch lasts as long as its client)
             yield
             return
         if self.limit is not None and self.num_calls >= self.limit:

@@ -1,9 +1,15 @@
 """Ports on this host: is one free, before the slow start-up steps (loading a model, waiting for a
-worker)? And a free one for a service this process starts itself."""
+worker)? Binding a server to one, and a free one for a service this process starts itself."""
 from __future__ import annotations
 
 import errno
 import socket
+
+import grpc
+
+# What the operator reads when a port's address is taken ({address} as grpc_address writes it).
+PUBLIC_PORT_IN_USE = "public port {address} is in use by another process"
+WORKER_PORT_IN_USE = "cannot listen on {address}: Address already in use"
 
 
 class PortInUseError(OSError):
@@ -18,7 +24,9 @@ def free_port() -> int:
 
 
 def grpc_address(host: str, port: int) -> str:
-    """host:port as gRPC takes it: an IPv6 host in brackets."""
+    """host:port as gRPC takes it: an IPv6 host in brackets, a unix socket path (host) as unix:path."""
+    if host.startswith("/"):
+        return f"unix:{host}"
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
@@ -40,3 +48,16 @@ def check_port_free(host: str, port: int, in_use: str) -> None:
             except OSError as error:
                 if error.errno == errno.EADDRINUSE:
                     raise PortInUseError(in_use.format(address=grpc_address(host, port))) from error
+
+
+def listen(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None,
+           in_use: str) -> int:
+    """Binds server to host:port (or the unix socket path host), over TLS unless credentials is None;
+    returns the bound port. Raises PortInUseError (in_use) when the address is taken or not this host's."""
+    check_port_free(host, port, in_use)
+    address = grpc_address(host, port)
+    try:
+        return (server.add_secure_port(address, credentials) if credentials is not None
+                else server.add_insecure_port(address))
+    except RuntimeError as error:  # grpcio says only "Failed to bind to address"
+        raise PortInUseError(f"{in_use.format(address=address)} (or not an address of this machine)") from error

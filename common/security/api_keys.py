@@ -1,4 +1,4 @@
-"""API keys on the public port: `authorization: Bearer <key>` on every call but health checks.
+"""API keys on the public port: the keys common.security.bearer_auth's interceptor accepts there.
 
 Keys come from a file (one per line; blank lines and lines starting with # are skipped), re-read
 when it changes so that keys rotate without a restart, and from the NANOVLLM_API_KEYS environment
@@ -7,21 +7,16 @@ any log line or error message.
 """
 from __future__ import annotations
 
-import hmac
 import logging
 import os
-from typing import Any
 
-import grpc
-
-from common.net.error_mapping import Continuation
+from common.security.bearer_auth import is_bearer_of
 from common.security.reloading_files import ReloadingFiles
 
 logger = logging.getLogger(__name__)
 
 API_KEYS_ENV = "NANOVLLM_API_KEYS"
-# Load balancers probe health without credentials.
-OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
+API_KEY_REFUSAL = "authorization: send 'authorization: Bearer <API key>' with a valid key"
 
 
 def _read_keys(path: str) -> list[bytes]:
@@ -71,53 +66,6 @@ class ApiKeys:
             logger.info("API key file changed: %d keys", len(keys))
 
     def accepts(self, authorization: str | None) -> bool:
-        """True when `authorization` is "Bearer <one of the keys>". Compared in constant time against
-        every key (no early exit), so timing says nothing about which key or how much matched."""
+        """True when `authorization` is "Bearer <one of the keys>" (bearer_auth.is_bearer_of: constant time)."""
         self._reload_if_changed()
-        scheme, _, token = (authorization or "").partition(" ")
-        presented = token.strip().encode()
-        matched = False
-        for key in self.keys:
-            matched |= hmac.compare_digest(presented, key)
-        return matched and scheme.lower() == "bearer"
-
-
-def _authorization(metadata: Any) -> str | None:
-    for key, value in metadata or ():
-        if key == "authorization":
-            return value if isinstance(value, str) else value.decode(errors="replace")
-    return None
-
-
-async def _refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                        "authorization: send 'authorization: Bearer <API key>' with a valid key")
-
-
-def _refusing_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that ends the call with UNAUTHENTICATED."""
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(_refuse)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(_refuse)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(_refuse)
-    return grpc.stream_stream_rpc_method_handler(_refuse)
-
-
-class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call without a valid key (UNAUTHENTICATED) except health checks. The refusing
-    handler has no request deserializer: a refused call's body is never parsed."""
-
-    def __init__(self, keys: ApiKeys) -> None:
-        self.keys = keys
-
-    async def intercept_service(self, continuation: Continuation,
-                                handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-        handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(OPEN_METHOD_PREFIXES):
-            return handler
-        if self.keys.accepts(_authorization(handler_call_details.invocation_metadata)):
-            return handler
-        logger.debug("%s: UNAUTHENTICATED", handler_call_details.method)  # never the key itself
-        return _refusing_handler(handler)
+        return is_bearer_of(authorization, self.keys)

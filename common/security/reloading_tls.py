@@ -1,11 +1,10 @@
 """TLS for the public port, with certificates reloaded when their files change.
 
 grpc's dynamic server credentials ask a fetcher for the certificate configuration at each new
-connection's handshake: the fetcher compares the files' modification times and sizes with those
-it loaded last and re-reads them only when they differ, so renewing a certificate needs no
-restart and existing connections keep the certificate they were made with. Replace the files
-atomically (write elsewhere, then rename), key before certificate, so that no handshake reads a
-half-written pair.
+connection's handshake: the fetcher re-reads the files only when one changed since it loaded them
+last (common.security.reloading_files), so renewing a certificate needs no restart and existing
+connections keep the certificate they were made with. Replace the files atomically (write
+elsewhere, then rename), key before certificate, so that no handshake reads a half-written pair.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""gRPC TLS credentials from PEM files, for either port (public or worker link).
+"""gRPC TLS credentials from PEM files: channels to either port, and the worker port's server (the
+public port's server reloads its certificates: common.security.reloading_tls).
 
 Two functions, both reading the files once, at the call:
 

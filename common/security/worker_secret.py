@@ -2,21 +2,23 @@
 
 The secret comes from a file (--worker-secret-file) or the NANOVLLM_WORKER_SECRET environment
 variable, never from a command-line value (those show in `ps`). It travels as
-`authorization: Bearer <secret>` metadata on every worker call and is compared in constant time.
-It is never logged: WorkerLinkConfig keeps it out of its repr.
+`authorization: Bearer <secret>` metadata on every worker call and is compared in constant time
+(common.security.bearer_auth's interceptor, with accepts_secret). It is never logged:
+WorkerLinkConfig keeps it out of its repr.
 """
 from __future__ import annotations
 
-import hmac
+import functools
 import os
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable
 
+from common.security.bearer_auth import METADATA_KEY, is_bearer_of
 from common.security.tls import read_file
 
 SECRET_ENV = "NANOVLLM_WORKER_SECRET"
-METADATA_KEY = "authorization"
 MIN_SECRET_CHARS = 16
+SECRET_REFUSAL = "worker: missing or wrong secret"
 
 
 def load_secret(secret_file: str | None) -> str:
@@ -47,11 +49,6 @@ def secret_metadata(secret: str) -> tuple[tuple[str, str], ...]:
     return ((METADATA_KEY, f"Bearer {secret}"),)
 
 
-def is_authorized(metadata: Iterable[tuple[str, str | bytes]] | None, secret: str) -> bool:
-    """Whether the call's metadata carries the secret (constant-time comparison)."""
-    expected = f"Bearer {secret}".encode()
-    presented = b""
-    for key, value in metadata or ():
-        if key == METADATA_KEY:
-            presented = value if isinstance(value, bytes) else value.encode()
-    return hmac.compare_digest(presented, expected)
+def accepts_secret(secret: str) -> Callable[[str | None], bool]:
+    """Whether a call's `authorization` value is "Bearer <secret>" (constant-time comparison)."""
+    return functools.partial(is_bearer_of, keys=(secret.encode(),))

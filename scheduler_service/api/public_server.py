@@ -2,7 +2,7 @@
 
 The servicer is thin: it converts a request (request_conversion), makes one engine call and
 converts the outputs back (response_conversion); exceptions become status codes in one place
-(common.net.error_mapping, with errors.STATUSES).
+(common.net.error_mapping, with api/statuses.py's STATUSES).
 """
 from __future__ import annotations
 
@@ -17,13 +17,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common.contract.config import PublicServerConfig, WorkerInfo
+from common.contract.config import PublicServerConfig
 from common.contract.sampling_params import SamplingParams
+from common.contract.worker_description import WorkerDescription
 from common.generated.nanovllm.generate.v1 import generate_pb2, generate_pb2_grpc
 from common.net import grpc_options
-from common.net.error_mapping import ErrorMappingInterceptor
-from common.net.ports import PortInUseError, check_port_free, grpc_address
-from common.security.api_keys import ApiKeyInterceptor, ApiKeys
+from common.net.ports import PUBLIC_PORT_IN_USE, listen
+from common.net.ports import PortInUseError as PortInUseError  # what build_public_server raises
+from common.security.api_keys import API_KEY_REFUSAL, ApiKeys
+from common.security.bearer_auth import BearerTokenInterceptor
 from common.security.reloading_tls import ReloadingCertificates
 from scheduler_service.api import request_conversion as convert
 from scheduler_service.api.reflection_pool import public_descriptor_pool
@@ -34,8 +36,10 @@ from scheduler_service.api.response_conversion import (
     model_info_response,
     stream_response,
 )
-from scheduler_service.core.errors import STATUSES, EngineUnavailableError, RequestError
-from scheduler_service.lanes.async_engine import LoadReport, RequestOutput
+from scheduler_service.api.statuses import STATUSES
+from scheduler_service.core.errors import EngineUnavailableError, RequestError
+from scheduler_service.core.outputs import EngineStats, RequestOutput
+from scheduler_service.observe.load_report import LoadReport
 from scheduler_service.observe.metrics import ServiceMetrics
 
 logger = logging.getLogger(__name__)
@@ -44,21 +48,17 @@ SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["TextGeneration"].full_n
 MAX_PENDING_CALLS = 1 << 20
 
 
-PORT_IN_USE = "public port {address} is in use by another process"
-
-
 class Engine(Protocol):
     """What the public server needs of scheduler_service.lanes.async_engine.AsyncEngine."""
 
-    model_info: WorkerInfo | None  # None until a worker has connected once
+    model_info: WorkerDescription | None  # None until a worker has connected once
     tokenizer: Any | None
-    metrics: ServiceMetrics  # the request metrics are recorded here
 
     @property
     def is_ready(self) -> bool: ...
 
-    def load(self) -> LoadReport:
-        """Running and waiting requests and KV usage per worker."""
+    def worker_stats(self) -> list[tuple[str, EngineStats]]:
+        """Each lane's address and stats: running and waiting requests, KV usage."""
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
         """Closing the generator early aborts the request and frees its KV blocks. The handlers close
@@ -67,8 +67,9 @@ class Engine(Protocol):
 
 
 class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, metrics: ServiceMetrics) -> None:
         self.engine = engine
+        self.metrics = metrics  # the request metrics are recorded here
         # Tokenizing a long prompt takes milliseconds: off the event loop, so that other requests'
         # deltas keep flowing. One thread: the tokenizers library does not promise thread safety (a
         # tokenizer shared between threads has failed with "Already borrowed").
@@ -77,7 +78,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
     async def _run_tokenizer(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
 
-    def _model_info(self) -> WorkerInfo:
+    def _model_info(self) -> WorkerDescription:
         """The model's limits, known once a worker has connected (before: UNAVAILABLE, as health
         says NOT_SERVING)."""
         model_info = self.engine.model_info
@@ -93,7 +94,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
     async def Generate(self, request: generate_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> generate_pb2.GenerateResponse:
         request_id = convert.request_id_of(request)
-        with RequestRecord(self.engine.metrics, "Generate", request_id, context) as record:
+        with RequestRecord(self.metrics, "Generate", request_id, context) as record:
             prompt, params = await self._run_tokenizer(self._convert, request)
             response = ResponseAccumulator(request_id)
             async with contextlib.aclosing(self.engine.generate(prompt, params)) as outputs:
@@ -105,7 +106,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
     async def GenerateStream(self, request: generate_pb2.GenerateRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateStreamResponse]:
         request_id = convert.request_id_of(request)
-        with RequestRecord(self.engine.metrics, "GenerateStream", request_id, context) as record:
+        with RequestRecord(self.metrics, "GenerateStream", request_id, context) as record:
             prompt, params = await self._run_tokenizer(self._convert, request)
             async with contextlib.aclosing(self.engine.generate(prompt, params)) as outputs:
                 async for output in outputs:
@@ -146,7 +147,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
 
     async def GetLoad(self, request: generate_pb2.GetLoadRequest,
                       context: grpc.aio.ServicerContext) -> generate_pb2.GetLoadResponse:
-        return load_response(self.engine.load())
+        return load_response(LoadReport.of(self.engine.worker_stats()))
 
     def close(self) -> None:
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
@@ -209,36 +210,19 @@ class PublicServer:
             await asyncio.sleep(self.readiness_poll_s)
 
 
-def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Keepalive and message-size options, set explicitly rather than left to gRPC's defaults.
-
-    A long prefill sends no data frames for seconds: keepalive pings (grpc.keepalive_time_ms and
-    keepalive_timeout_ms, allowed with no data in between: http2.max_pings_without_data 0) let the
-    server notice a vanished client and free its KV blocks, and the client's pings keep proxies and
-    NATs from dropping the quiet connection; http2.min_ping_interval_without_data_ms must then
-    allow the clients' ping rate, or the server answers their pings with GOAWAY (too_many_pings).
-    gRPC's 4 MiB default message limit is too small for long token-id prompts and for responses
-    with top logprobs of long outputs.
-    """
-    options = dict(grpc_options.server_options())
-    options["grpc.max_send_message_length"] = max_message_bytes
-    options["grpc.max_receive_message_length"] = max_message_bytes
-    # grpc core cancels calls that wait for the application beyond its pending-request limits
-    # (1,000 soft, 3,000 hard by default) or 30 s: under a burst of calls the clients saw CANCELLED,
-    # which only a client may cause. Raised far above the server's own admission limit
-    # (max_concurrent_calls), which answers RESOURCE_EXHAUSTED instead.
-    options["grpc.server.max_pending_requests"] = MAX_PENDING_CALLS
-    options["grpc.server.max_pending_requests_hard_limit"] = MAX_PENDING_CALLS
-    options["grpc.server_max_unrequested_time_in_server"] = 3600
-    # A second server on the same port must fail to bind, not silently share the traffic.
-    options["grpc.so_reuseport"] = 0
-    return list(options.items())
+# grpc core cancels calls that wait for the application beyond its pending-request limits (1,000
+# soft, 3,000 hard by default) or 30 s: under a burst of calls the clients saw CANCELLED, which only
+# a client may cause. Raised far above the server's own admission limit (max_concurrent_calls),
+# which answers RESOURCE_EXHAUSTED instead.
+PENDING_CALL_OPTIONS = {"grpc.server.max_pending_requests": MAX_PENDING_CALLS,
+                        "grpc.server.max_pending_requests_hard_limit": MAX_PENDING_CALLS,
+                        "grpc.server_max_unrequested_time_in_server": 3600}
 
 
 def build_public_server(engine: Engine, host: str, port: int, *,
                         max_message_bytes: int = grpc_options.MAX_MESSAGE_BYTES,
                         readiness_poll_s: float = 0.5, config: PublicServerConfig | None = None,
-                        api_keys: ApiKeys | None = None) -> PublicServer:
+                        api_keys: ApiKeys | None = None, metrics: ServiceMetrics | None = None) -> PublicServer:
     """Builds the server and binds host:port (port 0 picks a free one); call `await start()`.
 
     `config` adds TLS, reflection and the admission limit (its host and port are not used: the
@@ -247,26 +231,18 @@ def build_public_server(engine: Engine, host: str, port: int, *,
     (grpc.aio binds the server to that loop).
     """
     config = config or PublicServerConfig()
-    interceptors: list[grpc.aio.ServerInterceptor] = [ErrorMappingInterceptor(STATUSES, config.max_concurrent_calls)]
-    if api_keys is not None:
-        interceptors.insert(0, ApiKeyInterceptor(api_keys))  # first: refuse before anything is parsed
-    server = grpc.aio.server(interceptors=interceptors, options=server_options(max_message_bytes))
-    servicer = TextGenerationServicer(engine)
+    auth = BearerTokenInterceptor(api_keys.accepts, API_KEY_REFUSAL) if api_keys is not None else None
+    server = grpc_options.new_server(STATUSES, auth, max_concurrent_calls=config.max_concurrent_calls,
+                                     max_message_bytes=max_message_bytes, options=PENDING_CALL_OPTIONS)
+    servicer = TextGenerationServicer(engine, metrics or ServiceMetrics(recording=False))
     generate_pb2_grpc.add_TextGenerationServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if config.reflection:
         reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server,
                                             pool=public_descriptor_pool())
-    address = grpc_address(host, port)
-    check_port_free(host, port, PORT_IN_USE)
-    try:
-        if config.tls_cert is not None and config.tls_key is not None:
-            credentials = ReloadingCertificates(config.tls_cert, config.tls_key, config.tls_client_ca)
-            bound_port = server.add_secure_port(address, credentials.server_credentials())
-        else:
-            bound_port = server.add_insecure_port(address)
-    except RuntimeError as error:  # grpcio says only "Failed to bind to address"
-        raise PortInUseError(f"cannot bind the public port {address}: in use, or not an address of this "
-                             "machine") from error
+    credentials = None
+    if config.tls_cert is not None and config.tls_key is not None:
+        credentials = ReloadingCertificates(config.tls_cert, config.tls_key, config.tls_client_ca).server_credentials()
+    bound_port = listen(server, host, port, credentials, PUBLIC_PORT_IN_USE)
     return PublicServer(server, bound_port, engine, servicer, health_servicer, readiness_poll_s)

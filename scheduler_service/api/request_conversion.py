@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 from jinja2.exceptions import TemplateError
 
-from common.contract.config import WorkerInfo
 from common.contract.quoting import quote
 from common.contract.sampling_params import PARAMS, SamplingParams, values_of
+from common.contract.worker_description import WorkerDescription
 from common.generated.nanovllm.generate.v1 import generate_pb2
 from scheduler_service.core.errors import RequestError
 
@@ -37,7 +37,7 @@ def request_id_of(request: generate_pb2.GenerateRequest) -> str:
 
 
 def prompt_token_ids(request: generate_pb2.GenerateRequest, tokenizer: Tokenizer | None,
-                     model_info: WorkerInfo) -> list[int]:
+                     model_info: WorkerDescription) -> list[int]:
     """The prompt as token ids, whichever form it came in; checks emptiness, vocabulary, length."""
     kind = request.WhichOneof("prompt")
     if kind == "text":
@@ -113,7 +113,7 @@ def check_vocabulary(token_ids: list[int], field: str, vocab_size: int) -> None:
 
 
 def sampling_params(request: generate_pb2.GenerateRequest, num_prompt_tokens: int,
-                    model_info: WorkerInfo) -> SamplingParams:
+                    model_info: WorkerDescription) -> SamplingParams:
     """SamplingParams from the request; unset fields take SamplingParams' defaults, except
     max_tokens, which defaults to the room the context leaves after the prompt."""
     values = {name: _float32_value(value) if isinstance(value, float) else value

@@ -17,8 +17,8 @@ from typing import Any
 
 import grpc
 
-from scheduler_service.core.errors import STATUSES
-from scheduler_service.lanes.async_engine import RequestOutput
+from scheduler_service.api.statuses import STATUSES
+from scheduler_service.core.outputs import RequestOutput
 from scheduler_service.observe.metrics import ServiceMetrics
 
 logger = logging.getLogger("nanovllm.requests")

@@ -1,11 +1,12 @@
 """Engine outputs (RequestOutput deltas) -> public API responses."""
 from __future__ import annotations
 
-from common.contract.config import WorkerInfo
 from common.contract.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from common.contract.worker_description import WorkerDescription
 from common.generated.nanovllm.generate.v1 import generate_pb2
+from scheduler_service.core.outputs import RequestOutput
 from scheduler_service.core.sequence import FinishReason
-from scheduler_service.lanes.async_engine import LoadReport, RequestOutput
+from scheduler_service.observe.load_report import LoadReport
 
 FINISH_REASON_TO_PROTO = {
     FinishReason.LENGTH: generate_pb2.FINISH_REASON_LENGTH,
@@ -74,7 +75,7 @@ class ResponseAccumulator:
         return self.response
 
 
-def model_info_response(model_info: WorkerInfo, tokenizer: object | None) -> generate_pb2.GetModelInfoResponse:
+def model_info_response(model_info: WorkerDescription, tokenizer: object | None) -> generate_pb2.GetModelInfoResponse:
     return generate_pb2.GetModelInfoResponse(
         model_name=model_info.model_name,
         max_model_len=model_info.max_model_len,
@@ -97,7 +98,7 @@ def load_response(report: LoadReport) -> generate_pb2.GetLoadResponse:
         kv_cache_usage=report.kv_cache_usage,
         num_workers_ready=report.num_workers_ready,
         workers=[generate_pb2.WorkerLoad(
-            address=w.address, ready=w.is_ready, num_requests_running=w.num_running,
+            address=address, ready=w.is_attached, num_requests_running=w.num_running,
             num_requests_waiting=w.num_waiting, kv_cache_usage=w.kv_cache_usage, num_kv_blocks=w.num_kv_blocks,
-            num_free_kv_blocks=w.num_free_kv_blocks) for w in report.workers],
+            num_free_kv_blocks=w.num_free_kv_blocks) for address, w in report.workers],
     )

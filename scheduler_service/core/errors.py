@@ -1,13 +1,8 @@
-"""Errors the engine raises, and STATUSES: the gRPC status code of each (common.net.error_mapping's
-interceptor aborts the call with it and the error's message)."""
+"""Errors the engine raises, each meaning one documented status (scheduler_service/api/statuses.py maps
+them to gRPC codes)."""
 from __future__ import annotations
 
-import grpc
-
-from common.net.error_mapping import OverloadError, StatusMapper
-
-__all__ = ["STATUSES", "EngineUnavailableError", "OverloadError", "QueueFullError", "RequestError",
-           "WorkerLostError", "WorkerStepError"]
+__all__ = ["EngineUnavailableError", "QueueFullError", "RequestError", "WorkerLostError", "WorkerStepError"]
 
 
 class RequestError(ValueError):
@@ -30,11 +25,3 @@ class WorkerLostError(EngineUnavailableError):
 class WorkerStepError(RuntimeError):
     """The worker reported a protocol error for the request's step (INTERNAL, logged once by the
     engine, not once per request)."""
-
-
-# OverloadError -> RESOURCE_EXHAUSTED and ValueError (RequestError, SamplingParams' checks: "field:
-# message") -> INVALID_ARGUMENT come with every table.
-STATUSES = StatusMapper([(QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-                         (EngineUnavailableError, grpc.StatusCode.UNAVAILABLE),
-                         (WorkerStepError, grpc.StatusCode.INTERNAL)],  # logged once by the engine
-                        "internal error ({name}); see the server log")

@@ -63,6 +63,13 @@ class Scheduler:
         ids, self._to_release = self._to_release, []
         return ids
 
+    def take_unfinished(self) -> list[Sequence]:
+        """Removes every unfinished sequence, running ones first (their blocks are the caller's to free)."""
+        sequences = [*self.running, *self.waiting]
+        self.running.clear()
+        self.waiting.clear()
+        return sequences
+
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 

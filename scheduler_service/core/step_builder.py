@@ -1,9 +1,41 @@
-"""Turns the scheduler's decisions into the Step message that crosses to the worker: only deltas."""
+"""Turns the scheduler's decisions into the step sent to the worker: the Step message (only deltas) and
+what its reply is read back against. The one place that builds a StepRequest."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from common.generated.nanovllm.worker.v1 import worker_pb2
 from scheduler_service.core.scheduler import SchedulerOutput
-from scheduler_service.core.sequence import ScheduledSequence
+from scheduler_service.core.sequence import ScheduledSequence, Sequence
+
+
+@dataclass
+class InFlightStep:
+    """A step sent to the worker whose reply has not been processed yet."""
+
+    step_id: int
+    request: worker_pb2.StepRequest
+    # For each sequence the step computes: the sequence and its preemption count at the time, so
+    # that a token for a sequence preempted since is recognised and dropped.
+    scheduled: dict[int, tuple[Sequence, int]]
+    # Tokens the worker computes for it (prefill chunks and decode iterations): sizes its deadline.
+    num_tokens: int = 0
+    # Its decode iterations when it runs decodes alone (0 when it prefills): its period is timed.
+    num_decode_steps: int = 0
+
+
+def build_step(step_id: int, output: SchedulerOutput) -> InFlightStep:
+    """The step for the scheduler's output: its message, and its sequences with their epochs."""
+    scheduled = {}
+    num_tokens = 0  # decode iterations included
+    decodes_only = True
+    for item in output.scheduled:
+        seq = item.seq
+        scheduled[seq.seq_id] = (seq, seq.num_preemptions)
+        num_tokens += item.num_tokens
+        decodes_only = decodes_only and item.num_tokens == item.num_samples
+    num_decode_steps = output.num_decode_steps if decodes_only and output.scheduled else 0
+    return InFlightStep(step_id, build_step_request(step_id, output), scheduled, num_tokens, num_decode_steps)
 
 
 def build_step_request(step_id: int, output: SchedulerOutput) -> worker_pb2.StepRequest:

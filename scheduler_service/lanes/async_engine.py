@@ -12,39 +12,21 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from common.contract.config import SchedulerConfig, WorkerInfo
+from common.contract.config import SchedulerConfig
 from common.contract.sampling_params import SamplingParams
-from scheduler_service.core.engine_core import TokenUpdate
+from common.contract.worker_description import WorkerDescription
 from scheduler_service.core.errors import EngineUnavailableError, WorkerLostError, WorkerStepError
-from scheduler_service.core.sequence import FinishReason, Sequence
+from scheduler_service.core.outputs import EngineStats, RequestOutput, merged
+from scheduler_service.core.sequence import Sequence
 from scheduler_service.lanes.lane_loads import Charge, LaneLoads
 from scheduler_service.lanes.worker_client import WorkerClient
-from scheduler_service.lanes.worker_lane import WorkerLane
-from scheduler_service.observe.load_report import LoadReport, load_report
-from scheduler_service.observe.metrics import ServiceMetrics
+from scheduler_service.lanes.worker_lane import LaneObserver, WorkerLane
 
 logger = logging.getLogger(__name__)
-__all__ = ["AsyncEngine", "LoadReport", "RequestOutput"]
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """One delta of a request's output."""
-
-    text: str  # new text; never splits a character, never holds part of a possible stop string
-    token_ids: list[int]  # the tokens that produced it (every token, including held-back ones)
-    logprobs: list[float] = field(default_factory=list)  # per token, when asked
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    matched_stop: str | int | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    queue_time_s: float | None = None  # set on the last output, once the request was ever scheduled
+__all__ = ["AsyncEngine", "RequestOutput"]
 
 
 class _Outbox:
@@ -85,22 +67,18 @@ class _Request:
 
 class AsyncEngine:
     """Created with `await AsyncEngine.start(config, worker_or_workers, tokenizer)`; stopped with
-    `await engine.shutdown(grace_seconds)`. Its metrics (engine.metrics, a registry of its own
-    unless one is given) are fed by the lanes and read the load report at scrape time."""
+    `await engine.shutdown(grace_seconds)`. An observer (the service's metrics) sees every lane's steps."""
 
     def __init__(self, config: SchedulerConfig, workers: WorkerClient | SequenceABC[WorkerClient],
                  tokenizer: Any | None, eos_token_ids: set[int] | None = None,
-                 metrics: ServiceMetrics | None = None) -> None:
+                 observer: LaneObserver | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         workers = [workers] if not isinstance(workers, SequenceABC) else list(workers)
         if not workers:
             raise ValueError("worker: at least one worker address is needed")
-        self.metrics = metrics or ServiceMetrics()
         self._ready = asyncio.Event()
-        self.lanes = [WorkerLane(config, worker, set(eos_token_ids or ()), self._dispatch, self._fail_lane,
-                                 self._ready.set, self.metrics) for worker in workers]
-        self.metrics.set_load_source(self.load)
+        self.lanes = [WorkerLane(config, worker, eos_token_ids or (), self, observer) for worker in workers]
         self.lane_loads = LaneLoads()
         self._requests: dict[int, _Request] = {}
         self._draining = False
@@ -108,8 +86,8 @@ class AsyncEngine:
     @classmethod
     async def start(cls, config: SchedulerConfig, workers: WorkerClient | SequenceABC[WorkerClient],
                     tokenizer: Any | None, eos_token_ids: set[int] | None = None,
-                    metrics: ServiceMetrics | None = None) -> AsyncEngine:
-        engine = cls(config, workers, tokenizer, eos_token_ids, metrics)
+                    observer: LaneObserver | None = None) -> AsyncEngine:
+        engine = cls(config, workers, tokenizer, eos_token_ids, observer)
         for lane in engine.lanes:
             lane.start()
         return engine
@@ -132,25 +110,18 @@ class AsyncEngine:
         return bool(self.ready_lanes) and not self._draining
 
     @property
-    def model_info(self) -> WorkerInfo | None:
+    def model_info(self) -> WorkerDescription | None:
+        """What the service serves: a ready lane's model and limits (else the last known)."""
         lanes = self.ready_lanes or self.lanes
-        return next((lane.model_info for lane in lanes if lane.model_info is not None), None)
-
-    @property
-    def num_free_blocks(self) -> int:
-        return sum(lane.core.block_manager.num_free_blocks for lane in self.ready_lanes)  # type: ignore[union-attr]
-
-    @property
-    def num_total_blocks(self) -> int:
-        return sum(lane.core.block_manager.num_blocks for lane in self.ready_lanes)  # type: ignore[union-attr]
+        return next((lane.served for lane in lanes if lane.served is not None), None)
 
     @property
     def num_unfinished(self) -> int:
         return len(self._requests)
 
-    def load(self) -> LoadReport:
-        """Running and waiting requests and KV usage per worker, as of now (GetLoad, the gauges)."""
-        return load_report(self.lanes)
+    def worker_stats(self) -> list[tuple[str, EngineStats]]:
+        """Each lane's address and stats, as of now (GetLoad, the gauges)."""
+        return [(lane.address, lane.stats()) for lane in self.lanes]
 
     def _pick_lane(self) -> WorkerLane:
         if self._draining:
@@ -163,14 +134,12 @@ class AsyncEngine:
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs. Stopping the iteration early aborts the request at once."""
         lane = self._pick_lane()
-        core = lane.core
-        assert core is not None  # the lane is ready
-        seq = core.add_request(prompt_token_ids, params, self.tokenizer)
+        seq = lane.add_request(prompt_token_ids, params, self.tokenizer)
         num_prompt = len(prompt_token_ids)
-        charge = self.lane_loads.admit(lane, num_prompt, min(params.max_tokens, core.max_model_len - num_prompt))
+        max_model_len = lane.served.max_model_len  # type: ignore[union-attr]  # the lane is ready
+        charge = self.lane_loads.admit(lane, num_prompt, min(params.max_tokens, max_model_len - num_prompt))
         request = _Request(seq, lane, _Outbox(), charge)
         self._requests[seq.seq_id] = request
-        lane.wakeup.set()
         try:
             while True:
                 items = await request.outputs.take()
@@ -179,7 +148,7 @@ class AsyncEngine:
                         raise type(item)(str(item))  # a documented status: UNAVAILABLE, INTERNAL
                     if isinstance(item, Exception):
                         raise RuntimeError(f"the engine failed: {item!r}") from item
-                output = _merge(items)  # type: ignore[arg-type]
+                output = merged(items)  # type: ignore[arg-type]
                 yield output
                 if output.finished:
                     return
@@ -198,80 +167,32 @@ class AsyncEngine:
                and asyncio.get_running_loop().time() < deadline):
             await asyncio.sleep(0.05)
         for request in list(self._requests.values()):
-            request.lane.abort(request.seq)
+            last = request.lane.abort(request.seq)
             if request.lane.is_ready:
-                request.outputs.put(self._final_output(request, None))
+                request.outputs.put(last)
             else:
                 request.outputs.put(WorkerLostError("worker lost: the service is shutting down"))
         await asyncio.gather(*(lane.close() for lane in self.lanes))
 
-    # Outputs.
+    # What the lanes report (LaneOwner).
 
-    def _dispatch(self, updates: list[TokenUpdate]) -> None:
-        """One delta per request per step (a step of several decode iterations brings several
-        tokens to each: one update)."""
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        """One output per request per step (a step of several decode iterations brings several
+        tokens to each: one output)."""
         requests, progress = self._requests, self.lane_loads.progress
-        for update in updates:
-            request = requests.get(update.seq.seq_id)
+        for output in outputs:
+            request = requests.get(output.seq_id)
             if request is None:
                 continue
-            progress(request.charge, len(update.token_ids))
-            if update.finished:
-                request.outputs.put(self._final_output(request, update))
-            else:
-                request.outputs.put(self._delta(request, update, finished=False))
+            progress(request.charge, len(output.token_ids))
+            request.outputs.put(output)
 
-    def _fail_lane(self, lane: WorkerLane, error: Exception, sequences: list[Sequence] | None) -> None:
-        """Ends the lane's requests for sequences (all of them when None) with error."""
-        seq_ids = None if sequences is None else {seq.seq_id for seq in sequences}
+    def fail(self, lane: WorkerLane, error: Exception, seq_ids: list[int] | None) -> None:
+        """Ends the lane's requests for seq_ids (all of them when None) with error."""
+        wanted = None if seq_ids is None else set(seq_ids)
         for request in list(self._requests.values()):
-            if request.lane is lane and (seq_ids is None or request.seq.seq_id in seq_ids):
+            if request.lane is lane and (wanted is None or request.seq.seq_id in wanted):
                 request.outputs.put(error)
 
-    def _final_output(self, request: _Request, update: TokenUpdate | None) -> RequestOutput:
-        if request.seq.detokenizer is not None:
-            request.seq.detokenizer.finish()
-        return self._delta(request, update, finished=True)
-
-    @staticmethod
-    def _delta(request: _Request, update: TokenUpdate | None, finished: bool) -> RequestOutput:
-        """The request's delta for update (None: no new tokens); the update's lists are handed on,
-        not copied (nothing else keeps them)."""
-        seq = request.seq
-        detokenizer = seq.detokenizer
-        text = detokenizer.take_delta(finished) if detokenizer is not None else ""
-        if update is None:
-            update = TokenUpdate(seq)
-        return RequestOutput(
-            text=text,
-            token_ids=update.token_ids,
-            logprobs=update.logprobs,
-            top_logprobs=update.top_logprobs,
-            finished=finished,
-            finish_reason=seq.finish_reason if finished else None,
-            matched_stop=seq.matched_stop if finished else None,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-            queue_time_s=seq.queue_time_s if finished else None,
-        )
-
-
-def _merge(outputs: list[RequestOutput]) -> RequestOutput:
-    """Joins deltas that queued up while the consumer was busy into one."""
-    if len(outputs) == 1:
-        return outputs[0]
-    last = outputs[-1]
-    return RequestOutput(
-        text="".join(o.text for o in outputs),
-        token_ids=[t for o in outputs for t in o.token_ids],
-        logprobs=[p for o in outputs for p in o.logprobs],
-        top_logprobs=[p for o in outputs for p in o.top_logprobs],
-        finished=last.finished,
-        finish_reason=last.finish_reason,
-        matched_stop=last.matched_stop,
-        num_prompt_tokens=last.num_prompt_tokens,
-        num_output_tokens=last.num_output_tokens,
-        num_cached_tokens=last.num_cached_tokens,
-        queue_time_s=last.queue_time_s,
-    )
+    def lane_ready(self) -> None:
+        self._ready.set()

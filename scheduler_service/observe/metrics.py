@@ -4,10 +4,10 @@ What is recorded, and where (always on the event loop's thread, at the event its
 - per request, when it ends (scheduler_service.api.request_record): success/failure counters,
   TTFT, e2e, queue time and length histograms, its prompt tokens; per delta: generation tokens
   and the inter-token latency;
-- per step (scheduler_service.lanes.worker_lane): step period, and the engine's own counters (prefix
-  cache, preemptions) carried over as differences;
-- at scrape time (a collector): running/waiting requests, KV usage and ready workers, read from
-  the scheduler state (scheduler_service.observe.load_report), so nothing is set on the hot path.
+- per step (the lanes call observe_step, as a LaneObserver wired where the service is assembled):
+  step period, and each lane's own counters (prefix cache, preemptions) carried over as differences;
+- at scrape time (a collector): running/waiting requests, KV usage and ready workers, from the load
+  report of the lanes' stats snapshots (observe/load_report.py), so nothing is set on the hot path.
 
 Per-delta work is kept to a clock read and a list append: a prometheus_client Histogram.observe
 takes a lock and costs 1 to 2 us, and a step brings a delta to each of up to hundreds of requests.
@@ -17,7 +17,6 @@ a single-writer histogram when the request ends (that histogram lags long reques
 from __future__ import annotations
 
 import bisect
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from scheduler_service.core.outputs import EngineStats
 from scheduler_service.observe.load_report import LoadReport
 
 # Buckets for this engine's range: decode steps of 1 to 50 ms on a GPU (and slower on CPUs),
@@ -137,33 +137,34 @@ class ServiceMetrics:
             "Time between a request's consecutive outputs, divided by the tokens of the later one",
             ITL_BUCKETS)
         self._load: Callable[[], LoadReport] | None = None
-        # Per engine core, the cumulative counts already added (a core starts from zero; a lane
-        # gets a new core each time its worker reconnects).
-        self._core_counts: weakref.WeakKeyDictionary[Any, tuple[int, int, int]] = weakref.WeakKeyDictionary()
+        # Per lane, the cumulative counts of its stats already added.
+        self._lane_counts: dict[str, tuple[int, int, int]] = {}
         self.registry.register(_LoopCollector(self))
 
     def set_load_source(self, load: Callable[[], LoadReport]) -> None:
-        """Where the gauges come from at scrape time (the engine's load())."""
+        """Where the gauges come from at scrape time (a load report of the engine's lanes)."""
         self._load = load
 
     def load_report(self) -> LoadReport | None:
         return self._load() if self._load is not None else None
 
-    def observe_step(self, core: Any, step_period_s: float | None) -> None:
-        """Once per engine step: the time since the previous step's result (None after an idle gap)
-        and the engine core's counters since the last step."""
+    def observe_step(self, lane: str, stats: EngineStats, step_period_s: float | None) -> None:
+        """Once per engine step of a lane: the time since its previous step's result (None after an
+        idle gap) and its stats, whose counters are added as differences."""
         if not self.recording:
             return
         if step_period_s is not None:
             self.step_duration.observe(step_period_s)
-        scheduler, blocks = core.scheduler, core.block_manager
-        counts = (blocks.num_prefix_query_tokens, blocks.num_prefix_hit_tokens, scheduler.num_preemptions)
-        queries, hits, preemptions = self._core_counts.get(core, (0, 0, 0))
+        counts = (stats.num_prefix_query_tokens, stats.num_prefix_hit_tokens, stats.num_preemptions)
+        queries, hits, preemptions = self._lane_counts.get(lane, (0, 0, 0))
         if counts != (queries, hits, preemptions):
             self.counters.prefix_cache_queries += counts[0] - queries
             self.counters.prefix_cache_hits += counts[1] - hits
             self.counters.num_preemptions += counts[2] - preemptions
-            self._core_counts[core] = counts
+            self._lane_counts[lane] = counts
+
+    def count_recovery(self) -> None:
+        self.counters.worker_recoveries += 1
 
 
 class _LoopCollector(Collector):
@@ -186,10 +187,10 @@ class _LoopCollector(Collector):
                                     labels=["worker"])
         usage = GaugeMetricFamily("nanovllm_kv_cache_usage_ratio", "KV blocks in use / all KV blocks",
                                   labels=["worker"])
-        for worker in report.workers:
-            running.add_metric([worker.address], worker.num_running)
-            waiting.add_metric([worker.address], worker.num_waiting)
-            usage.add_metric([worker.address], worker.kv_cache_usage)
+        for address, stats in report.workers:
+            running.add_metric([address], stats.num_running)
+            waiting.add_metric([address], stats.num_waiting)
+            usage.add_metric([address], stats.kv_cache_usage)
         yield from (running, waiting, usage)
         yield GaugeMetricFamily("nanovllm_workers_ready", "Workers connected and serving",
                                 value=report.num_workers_ready)

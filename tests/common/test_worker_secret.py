@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from common.contract.config import WorkerLinkConfig
-from common.security.worker_secret import SECRET_ENV, is_authorized, load_secret, secret_metadata
+from common.security.bearer_auth import authorization_of
+from common.security.worker_secret import SECRET_ENV, accepts_secret, load_secret, secret_metadata
 
 SECRET = "s3cret-s3cret-s3cret"
 
@@ -30,11 +31,12 @@ def test_missing_or_short_secrets_are_refused(tmp_path, monkeypatch) -> None:
 
 
 def test_only_the_exact_secret_is_authorized() -> None:
-    assert is_authorized(secret_metadata(SECRET), SECRET)
-    assert is_authorized([("authorization", f"Bearer {SECRET}".encode())], SECRET)
+    accepts = accepts_secret(SECRET)
+    assert accepts(authorization_of(secret_metadata(SECRET)))
+    assert accepts(authorization_of([("authorization", f"Bearer {SECRET}".encode())]))
     for metadata in ((), None, secret_metadata(SECRET + "x"), secret_metadata(SECRET[:-1]),
                      [("authorization", SECRET)], [("x-other", f"Bearer {SECRET}")]):
-        assert not is_authorized(metadata, SECRET)
+        assert not accepts(authorization_of(metadata))
 
 
 def test_the_link_config_never_shows_its_secret() -> None:

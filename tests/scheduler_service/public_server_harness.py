@@ -8,12 +8,11 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from common.contract.config import WorkerInfo
 from common.contract.sampling_params import SamplingParams
+from common.contract.worker_description import WorkerDescription
 from scheduler_service.core.errors import EngineUnavailableError, QueueFullError, RequestError
+from scheduler_service.core.outputs import EngineStats, RequestOutput
 from scheduler_service.core.sequence import FinishReason
-from scheduler_service.lanes.async_engine import RequestOutput
-from scheduler_service.observe.load_report import LoadReport, WorkerLoad
 from scheduler_service.observe.metrics import ServiceMetrics
 from tests.loop_thread import LoopThread, PublicServerThread
 
@@ -44,7 +43,7 @@ def default_script(prompt: list[int], params: SamplingParams) -> list[RequestOut
     """ "hello", " world", then EOS: three deltas, logprobs when asked."""
     outputs = []
     for index, (text, token_id) in enumerate([("hello", 6), (" world", 7), ("", EOS_ID)]):
-        out = RequestOutput(text=text, token_ids=[token_id], num_prompt_tokens=len(prompt))  # as the engine's
+        out = RequestOutput(0, text=text, token_ids=[token_id], num_prompt_tokens=len(prompt))  # as the engine's
         if params.logprobs:
             out.logprobs = [-0.5 * (index + 1)]
             if params.num_top_logprobs:
@@ -60,9 +59,9 @@ class FakeEngine:
     """Implements the AsyncEngine interface with scripted outputs; flags switch failure modes."""
 
     def __init__(self, tokenizer: Any | None, *, max_model_len: int = 32, vocab_size: int = 20) -> None:
-        self.model_info = WorkerInfo(model_name="fake-model", dtype="float32", block_size=16,
-                                     max_model_len=max_model_len, vocab_size=vocab_size, num_kv_blocks=8,
-                                     device="cpu", eos_token_ids=(EOS_ID,))
+        self.model_info = WorkerDescription(model_name="fake-model", dtype="float32", block_size=16,
+                                            max_model_len=max_model_len, vocab_size=vocab_size, num_kv_blocks=8,
+                                            device="cpu", eos_token_ids=(EOS_ID,))
         self.tokenizer = tokenizer
         self.metrics = ServiceMetrics()
         self.ready = True
@@ -77,9 +76,9 @@ class FakeEngine:
     def is_ready(self) -> bool:
         return self.ready
 
-    def load(self) -> LoadReport:
+    def worker_stats(self) -> list[tuple[str, EngineStats]]:
         """One worker with three requests running, one waiting, 5 of 8 blocks in use."""
-        return LoadReport((WorkerLoad("fake-worker", True, 3, 1, 8, 3),))
+        return [("fake-worker", EngineStats(True, 3, 1, 8, 3))]
 
     def validate(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:

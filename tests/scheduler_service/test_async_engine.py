@@ -11,6 +11,8 @@ from common.contract.sampling_params import SamplingParams
 from common.generated.nanovllm.worker.v1 import worker_pb2
 from scheduler_service.core.sequence import FinishReason
 from scheduler_service.lanes.async_engine import AsyncEngine
+from scheduler_service.observe.load_report import LoadReport
+from scheduler_service.observe.metrics import ServiceMetrics
 
 VOCAB = 100
 
@@ -100,6 +102,10 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, timeout=30))  # a hang fails the test instead of the suite
 
 
+def all_blocks_free(engine: AsyncEngine) -> bool:
+    return all(stats.num_free_kv_blocks == stats.num_kv_blocks for _, stats in engine.worker_stats())
+
+
 @pytest.mark.parametrize("num_decode_steps", [1, 4])
 def test_concurrent_requests_stream_the_scripted_tokens(num_decode_steps: int) -> None:
     async def scenario() -> None:
@@ -111,7 +117,7 @@ def test_concurrent_requests_stream_the_scripted_tokens(num_decode_steps: int) -
         for i, (prompt, (tokens, reason)) in enumerate(zip(prompts, results, strict=True)):
             assert tokens == expected_tokens(prompt, 20 + i)
             assert reason is FinishReason.LENGTH
-        assert engine.num_free_blocks == engine.num_total_blocks
+        assert all_blocks_free(engine)
         await engine.shutdown(0)
 
     run(scenario())
@@ -138,12 +144,13 @@ def test_a_lost_worker_loses_no_request() -> None:
     async def scenario() -> None:
         worker = ScriptedWorker()
         worker.lose_connection_at_step = 4
-        engine = await AsyncEngine.start(SchedulerConfig(), worker, None)
+        metrics = ServiceMetrics()
+        engine = await AsyncEngine.start(SchedulerConfig(), worker, None, observer=metrics)
         await engine.wait_ready(5)
         tokens, reason = await collect(engine, [7, 8, 9], 30)
         assert worker.lose_connection_at_step is None  # the connection was lost mid-request
         assert tokens == expected_tokens([7, 8, 9], 30) and reason is FinishReason.LENGTH
-        assert engine.metrics.counters.worker_recoveries == 1
+        assert metrics.counters.worker_recoveries == 1
         await engine.shutdown(0)
 
     run(scenario())
@@ -155,13 +162,14 @@ def test_abandoned_stream_frees_its_blocks() -> None:
         await engine.wait_ready(5)
         stream = engine.generate([1, 2, 3], SamplingParams(max_tokens=200))
         await stream.__anext__()
-        assert engine.num_free_blocks < engine.num_total_blocks
-        load = engine.load()
+        load = LoadReport.of(engine.worker_stats())
+        ((_, stats),) = load.workers
         assert (load.num_running, load.num_waiting, load.num_workers_ready) == (1, 0, 1)
-        assert load.kv_cache_usage == 1 - engine.num_free_blocks / engine.num_total_blocks > 0
+        assert load.kv_cache_usage == 1 - stats.num_free_kv_blocks / stats.num_kv_blocks > 0
         await stream.aclose()
-        assert engine.num_free_blocks == engine.num_total_blocks and engine.num_unfinished == 0
-        assert engine.load().num_running == 0 and engine.load().kv_cache_usage == 0
+        assert all_blocks_free(engine) and engine.num_unfinished == 0
+        load = LoadReport.of(engine.worker_stats())
+        assert load.num_running == 0 and load.kv_cache_usage == 0
         await engine.shutdown(0)
 
     run(scenario())
@@ -176,13 +184,13 @@ def test_data_parallel_lanes_share_the_requests() -> None:
         while len(engine.ready_lanes) < 2:
             await engine.wait_ready(5)
             await asyncio.sleep(0)
-        assert engine.num_total_blocks == 80
+        assert sum(stats.num_kv_blocks for _, stats in engine.worker_stats()) == 80
         prompts = [[i, 2 * i, 3 * i] for i in range(1, 9)]
         results = await asyncio.gather(*(collect(engine, p, 25) for p in prompts))
         assert workers[1].lose_connection_at_step is None  # the lane did reconnect
         assert [tokens for tokens, _ in results] == [expected_tokens(p, 25) for p in prompts]
         assert all(worker.num_steps > 0 for worker in workers)
-        assert engine.num_free_blocks == engine.num_total_blocks
+        assert all_blocks_free(engine)
         await engine.shutdown(0)
 
     run(scenario())

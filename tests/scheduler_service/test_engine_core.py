@@ -8,16 +8,25 @@ from collections.abc import Awaitable
 
 import pytest
 
-from common.contract.config import SchedulerConfig, WorkerInfo
+from common.contract.config import SchedulerConfig
 from common.contract.sampling_params import SamplingParams
+from common.contract.worker_description import WorkerDescription
 from common.generated.nanovllm.worker.v1 import worker_pb2
-from scheduler_service.core import engine_core
-from scheduler_service.core.engine_core import EngineCore, InFlightStep, drive
+from scheduler_service.core import step_loop
+from scheduler_service.core.engine_core import EngineCore
 from scheduler_service.core.scheduler import MIN_DECODE_PERIODS
 from scheduler_service.core.sequence import FinishReason, Sequence
+from scheduler_service.core.step_builder import InFlightStep
+from scheduler_service.core.step_loop import drive
 
-INFO = WorkerInfo(model_name="fake", dtype="fake", block_size=16, max_model_len=256, vocab_size=100,
-                  num_kv_blocks=64, device="fake", eos_token_ids=(99,))
+INFO = WorkerDescription(model_name="fake", dtype="fake", block_size=16, max_model_len=256, vocab_size=100,
+                         num_kv_blocks=64, device="fake", eos_token_ids=(99,))
+
+
+def attached(config: SchedulerConfig) -> EngineCore:
+    core = EngineCore(config)
+    core.attach(INFO, INFO.num_kv_blocks)
+    return core
 
 
 def reply(step: InFlightStep, tokens: list[tuple[int, int]]) -> worker_pb2.StepResponse:
@@ -38,13 +47,13 @@ def decoding(core: EngineCore, *params: SamplingParams) -> tuple[list[Sequence],
 
 
 def test_a_stop_token_drops_the_tokens_after_it_and_others_keep_theirs() -> None:
-    core = EngineCore(SchedulerConfig(num_decode_steps=4), INFO, eos_token_ids=[99])
+    core = attached(SchedulerConfig(num_decode_steps=4))
     (stopping, other), step = decoding(core, SamplingParams(max_tokens=50, stop_token_ids=[42], logprobs=True),
                                        SamplingParams(max_tokens=50))
     updates = core.process_step(step, reply(step, [(stopping.seq_id, t) for t in (3, 42, 4, 5)]
                                             + [(other.seq_id, t) for t in (8, 9, 10, 11)]))
-    assert [(u.seq, u.token_ids, u.finished) for u in updates] == [(stopping, [3, 42], True),
-                                                                   (other, [8, 9, 10, 11], False)]
+    assert [(u.seq_id, u.token_ids, u.finished) for u in updates] == [(stopping.seq_id, [3, 42], True),
+                                                                      (other.seq_id, [8, 9, 10, 11], False)]
     assert updates[0].logprobs == [-0.5, -0.5] and updates[1].logprobs == []
     assert (stopping.finish_reason, stopping.matched_stop) == (FinishReason.STOP, 42)
     assert stopping.output_token_ids == [1, 3, 42] and other.output_token_ids == [1, 8, 9, 10, 11]
@@ -52,7 +61,7 @@ def test_a_stop_token_drops_the_tokens_after_it_and_others_keep_theirs() -> None
 
 
 def test_max_tokens_and_eos_end_a_sequence_mid_step() -> None:
-    core = EngineCore(SchedulerConfig(num_decode_steps=4), INFO, eos_token_ids=[99])
+    core = attached(SchedulerConfig(num_decode_steps=4))
     (short, eos), step = decoding(core, SamplingParams(max_tokens=3), SamplingParams(max_tokens=50))
     updates = core.process_step(step, reply(step, [(short.seq_id, t) for t in (2, 3, 4, 5)]
                                             + [(eos.seq_id, t) for t in (7, 99, 8, 9)]))
@@ -62,28 +71,28 @@ def test_max_tokens_and_eos_end_a_sequence_mid_step() -> None:
 
 
 def test_a_sequences_tokens_split_over_a_reply_make_one_update() -> None:
-    core = EngineCore(SchedulerConfig(num_decode_steps=4), INFO, eos_token_ids=[99])
+    core = attached(SchedulerConfig(num_decode_steps=4))
     (first, second), step = decoding(core, SamplingParams(max_tokens=50), SamplingParams(max_tokens=50))
     updates = core.process_step(step, reply(step, [(first.seq_id, 2), (first.seq_id, 3), (second.seq_id, 4),
                                                    (first.seq_id, 5), (first.seq_id, 6)]))
-    assert [(u.seq, u.token_ids) for u in updates] == [(first, [2, 3, 5, 6]), (second, [4])]
+    assert [(u.seq_id, u.token_ids) for u in updates] == [(first.seq_id, [2, 3, 5, 6]), (second.seq_id, [4])]
     assert first.output_token_ids == [1, 2, 3, 5, 6]
 
 
 def test_decode_only_steps_are_timed_and_a_lone_sequences_short_iterations_lengthen_its_steps() -> None:
-    core = EngineCore(SchedulerConfig(num_decode_steps=4, decode_step_ms=8.0), INFO, eos_token_ids=[99])
+    core = attached(SchedulerConfig(num_decode_steps=4, decode_step_ms=8.0))
     sequences, decode = decoding(core, SamplingParams(max_tokens=200))
-    assert decode.num_decode_iterations == 4
+    assert decode.num_decode_steps == 4
     for _ in range(MIN_DECODE_PERIODS):
         core.observe_period(decode, 0.002)  # 4 iterations in 2 ms
     assert core.build_step().request.num_decode_steps == 16
 
 
 def test_a_step_with_a_prefill_is_not_timed() -> None:
-    core = EngineCore(SchedulerConfig(num_decode_steps=4, decode_step_ms=8.0), INFO, eos_token_ids=[99])
+    core = attached(SchedulerConfig(num_decode_steps=4, decode_step_ms=8.0))
     core.add_request([5, 6, 7], SamplingParams(max_tokens=200))
     prefill = core.build_step()
-    assert prefill.num_decode_iterations == 0
+    assert prefill.num_decode_steps == 0
     for _ in range(MIN_DECODE_PERIODS):
         core.observe_period(prefill, 0.0001)
     core.process_step(prefill, reply(prefill, [(seq_id, 1) for seq_id in prefill.scheduled]))
@@ -96,8 +105,8 @@ def test_drive_times_each_step_from_the_previous_result(monkeypatch: pytest.Monk
     no period: nothing came before it; each step is built before its predecessor's reply), then
     8 ms hold 16 iterations."""
     clock = [0.0]
-    monkeypatch.setattr(engine_core.time, "perf_counter", lambda: clock[0])
-    core = EngineCore(SchedulerConfig(num_decode_steps=4, decode_step_ms=8.0), INFO, eos_token_ids=[99])
+    monkeypatch.setattr(step_loop.time, "perf_counter", lambda: clock[0])
+    core = attached(SchedulerConfig(num_decode_steps=4, decode_step_ms=8.0))
     core.add_request([5, 6, 7], SamplingParams(max_tokens=60, ignore_eos=True))
     sent: list[int] = []
 

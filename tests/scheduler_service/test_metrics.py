@@ -2,8 +2,7 @@
 buckets, and engine counters carried across a lane's new engine core (a reconnected worker)."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
+from scheduler_service.core.outputs import EngineStats
 from scheduler_service.observe.metrics import ITL_BUCKETS, MetricsServer, ServiceMetrics
 from tests.metrics_scrape import scrape, value
 
@@ -14,14 +13,6 @@ def scraped(metrics: ServiceMetrics) -> dict:
         return scrape(server.port)
     finally:
         server.close()
-
-
-class FakeCore:
-    """What observe_step reads of an EngineCore (weakly referenced, as a real core is)."""
-
-    def __init__(self, queries: int, hits: int, preemptions: int) -> None:
-        self.block_manager = SimpleNamespace(num_prefix_query_tokens=queries, num_prefix_hit_tokens=hits)
-        self.scheduler = SimpleNamespace(num_preemptions=preemptions)
 
 
 def test_inter_token_buckets_count_a_value_on_a_bound_in_that_bucket() -> None:
@@ -38,14 +29,14 @@ def test_inter_token_buckets_count_a_value_on_a_bound_in_that_bucket() -> None:
     assert abs(value(samples, f"{name}_sum") - 100.00215) < 1e-9
 
 
-def test_engine_counters_survive_a_new_core() -> None:
+def test_lane_counters_are_added_as_differences_per_lane() -> None:
     metrics = ServiceMetrics()
-    first = FakeCore(40, 16, 1)
-    metrics.observe_step(first, None)
-    first.block_manager.num_prefix_query_tokens, first.scheduler.num_preemptions = 100, 3
-    metrics.observe_step(first, 0.004)
-    metrics.observe_step(FakeCore(10, 0, 0), 0.002)  # the worker reconnected: counts restart from 0
+    metrics.observe_step("a", EngineStats(True, 0, 0, 8, 8, 40, 16, 1), None)
+    metrics.observe_step("a", EngineStats(True, 0, 0, 8, 8, 100, 16, 3), 0.004)
+    metrics.observe_step("b", EngineStats(True, 0, 0, 8, 8, 10, 0, 0), 0.002)  # another lane counts apart
+    metrics.count_recovery()
     samples = scraped(metrics)
     assert (value(samples, "nanovllm_prefix_cache_queries_total"), value(samples, "nanovllm_prefix_cache_hits_total"),
             value(samples, "nanovllm_num_preemptions_total")) == (110, 16, 3)
+    assert value(samples, "nanovllm_worker_recoveries_total") == 1
     assert value(samples, "nanovllm_step_duration_seconds_count") == 2

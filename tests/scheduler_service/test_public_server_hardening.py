@@ -20,7 +20,7 @@ from common.net import grpc_options
 from scheduler_service.api.public_server import SERVICE_NAME, PortInUseError, build_public_server
 from scheduler_service.api.tokenizer import load_tokenizer
 from scheduler_service.core.errors import QueueFullError
-from scheduler_service.lanes.async_engine import RequestOutput
+from scheduler_service.core.outputs import RequestOutput
 from tests.loop_thread import LoopThread
 from tests.scheduler_service.public_server_harness import FakeEngine, ServerThread, save_tiny_tokenizer
 from tests.services_harness import run_cli

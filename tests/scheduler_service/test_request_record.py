@@ -94,17 +94,18 @@ def test_stream_line_names_its_method_and_a_garbage_traceparent_is_left_out(stub
     assert "traceparent" not in fields
 
 
-def test_with_recording_off_requests_are_logged_and_nothing_is_counted(stub, engine: FakeEngine,
+def test_with_recording_off_requests_are_logged_and_nothing_is_counted(stub, server: ServerThread,
                                                                      request_lines) -> None:
     """--metrics-port 0: the request line stays, the metrics record nothing (not even the first token)."""
-    recording = engine.metrics
-    engine.metrics = ServiceMetrics(recording=False)
+    servicer = server.public.servicer
+    recording = servicer.metrics
+    servicer.metrics = ServiceMetrics(recording=False)
     try:
         stub.Generate(build_request("hello world", request_id="off-1"))
         list(stub.GenerateStream(build_request("hello", request_id="off-2")))
         fields = [line_of(request_lines, request_id) for request_id in ("off-1", "off-2")]
     finally:
-        registry, engine.metrics = engine.metrics.registry, recording
+        registry, servicer.metrics = servicer.metrics.registry, recording
     assert [(f["status"], f["completion_tokens"]) for f in fields] == [("OK", 3), ("OK", 3)]
     assert all(0 <= f["ttft_s"] <= f["e2e_s"] for f in fields)
     samples = {(s.name, frozenset(s.labels.items())): s.value for family in registry.collect() for s in family.samples}

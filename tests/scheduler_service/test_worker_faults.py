@@ -17,9 +17,10 @@ from common.client import GenerationClient
 from common.contract.config import SchedulerConfig
 from common.contract.sampling_params import SamplingParams
 from common.generated.nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
-from scheduler_service.core.engine_core import InFlightStep, drive
 from scheduler_service.core.errors import WorkerLostError, WorkerStepError
 from scheduler_service.core.sequence import FinishReason
+from scheduler_service.core.step_builder import InFlightStep
+from scheduler_service.core.step_loop import drive
 from scheduler_service.lanes.async_engine import AsyncEngine
 from scheduler_service.lanes.worker_client import GrpcWorkerClient
 from tests.loop_thread import LoopThread, PublicServerThread
@@ -344,8 +345,8 @@ class TwoStepCore:
         self.steps = [InFlightStep(i, worker_pb2.StepRequest(step_id=i), {}) for i in (1, 2)]
 
     @property
-    def has_unfinished(self) -> bool:
-        return bool(self.steps)
+    def num_unfinished(self) -> int:
+        return len(self.steps)
 
     def build_step(self) -> InFlightStep | None:
         return self.steps.pop(0) if self.steps else None

@@ -1,5 +1,5 @@
 """The worker's gRPC server: a thin servicer over WorkerCore, plus grpc.health.v1, behind the
-shared-secret interceptor (worker_service/api/interceptors.py) and the error mapping (common.net.error_mapping).
+shared secret (common.security.bearer_auth) and the error mapping (common.net.error_mapping).
 
 Steps may arrive out of order (the scheduler sends step N+1 before step N returns, and separate
 calls on one channel are not ordered), so each Step waits for its turn by step_id (the core checks
@@ -20,11 +20,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.contract.config import WorkerLinkConfig
 from common.generated.nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
-from common.net.error_mapping import ErrorMappingInterceptor
-from common.net.grpc_options import server_options
-from common.net.ports import PortInUseError
+from common.net.grpc_options import new_server
+from common.net.ports import WORKER_PORT_IN_USE, grpc_address, listen
+from common.security.bearer_auth import BearerTokenInterceptor
 from common.security.tls import server_credentials
-from worker_service.api.interceptors import SecretInterceptor
+from common.security.worker_secret import SECRET_REFUSAL, accepts_secret
 from worker_service.api.statuses import STATUSES, ClaimRefusedError, SessionLostError
 from worker_service.runtime.tp_group import TensorParallelCore
 from worker_service.runtime.worker import WorkerCore
@@ -127,20 +127,13 @@ async def serve_worker(core: WorkerCore | TensorParallelCore, model_thread: Thre
     """Starts the worker's server; returns it and the bound port. Raises PortInUseError when the
     address is taken (SO_REUSEPORT is off, so a second worker cannot share a port)."""
     credentials = server_credentials_for(link)
-    server = grpc.aio.server(options=[*server_options(), ("grpc.so_reuseport", 0)],
-                             interceptors=[SecretInterceptor(link.secret), ErrorMappingInterceptor(STATUSES)])
+    server = new_server(STATUSES, BearerTokenInterceptor(accepts_secret(link.secret), SECRET_REFUSAL))
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(core, model_thread), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    address = f"unix:{host}" if host.startswith("/") else f"{host}:{port}"
-    try:
-        bound = (server.add_secure_port(address, credentials) if credentials is not None
-                 else server.add_insecure_port(address))
-    except RuntimeError as error:  # grpcio's way of saying the bind failed
-        raise PortInUseError(f"cannot listen on {address}: address in use or not available") from error
+    bound = listen(server, host, port, credentials, WORKER_PORT_IN_USE)
     await server.start()
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    logger.info("worker listening on %s%s", address if host.startswith("/") else f"{host}:{bound}",
-                " (TLS)" if credentials is not None else "")
+    logger.info("worker listening on %s%s", grpc_address(host, bound), " (TLS)" if credentials is not None else "")
     return server, bound
