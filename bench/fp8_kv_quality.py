@@ -87,24 +87,22 @@ def make_runner(model: str, device: str, dtype: str, kv_cache_dtype: str, num_bl
 def window_logits(runner: ModelRunner, tokens: list[int], chunk_len: int, num_decode_positions: int) -> torch.Tensor:
     """float32 logits [len(tokens), vocab] of one sequence fed in prefill chunks, then, for its last
     num_decode_positions tokens, one decode step each (through a CUDA graph where one is captured)."""
-    num_blocks = -(-len(tokens) // BLOCK_SIZE)
-    state = WorkerSequence(seq_id=1, block_table=list(range(num_blocks)), num_computed_tokens=0,
-                           num_tokens=len(tokens), num_prompt_tokens=len(tokens), sampling=worker_pb2.SamplingParams())
+    block_table = list(range(-(-len(tokens) // BLOCK_SIZE)))
+
+    def chunk_at(start: int, chunk: list[int], samples: bool) -> ScheduledChunk:
+        state = WorkerSequence(seq_id=1, block_table=block_table, num_computed_tokens=start, num_tokens=len(tokens),
+                               num_prompt_tokens=len(tokens), sampling=worker_pb2.SamplingParams())
+        return ScheduledChunk(state, chunk, samples=samples)
+
     prefill_end = len(tokens) - num_decode_positions
     logits = []
     for start in range(0, prefill_end, chunk_len):
         chunk = tokens[start:min(start + chunk_len, prefill_end)]
-        state.num_computed_tokens = start
-        model_input = build_model_input([ScheduledChunk(state, chunk, samples=False)], BLOCK_SIZE)
-        move = lambda t: t.to(runner.device)  # noqa: E731
-        md = model_input.metadata
-        md.slot_mapping, md.query_start_loc = move(md.slot_mapping), move(md.query_start_loc)
-        md.seq_lens, md.block_tables = move(md.seq_lens), move(md.block_tables)
-        hidden = runner.model(move(model_input.input_ids), move(model_input.positions), md)
+        model_input = build_model_input([chunk_at(start, chunk, False)], BLOCK_SIZE, runner.device)
+        hidden = runner.model(model_input.input_ids, model_input.positions, model_input.metadata)
         logits.append(runner.model.compute_logits(hidden).float().cpu())
     for position in range(prefill_end, len(tokens)):
-        state.num_computed_tokens = position
-        model_input = build_model_input([ScheduledChunk(state, [tokens[position]], samples=True)], BLOCK_SIZE)
+        model_input = build_model_input([chunk_at(position, [tokens[position]], True)], BLOCK_SIZE, runner.device)
         logits.append(runner.forward_logits(model_input).float().cpu())
     return torch.cat(logits)
 

@@ -58,7 +58,7 @@ class WorkerStderr:
         self._thread.join(timeout=5)
 
 
-async def _serve(service: SchedulerServiceConfig, worker: subprocess.Popen, stderr: WorkerStderr) -> str | None:
+async def _serve_both(service: SchedulerServiceConfig, worker: subprocess.Popen, stderr: WorkerStderr) -> str | None:
     """Runs the scheduler until a signal or the worker's end; returns why serve failed, if it did."""
     stop = asyncio.Event()
     engines: list[AsyncEngine] = []
@@ -113,7 +113,7 @@ def run_serve(config: WorkerConfig, scheduler: SchedulerConfig, public: PublicSe
                               errors="replace", env={**os.environ, SECRET_ENV: link.secret})
     stderr = WorkerStderr(worker)
     try:
-        failure = asyncio.run(_serve(service, worker, stderr))
+        failure = asyncio.run(_serve_both(service, worker, stderr))
     finally:
         _stop_worker(worker)
     if failure is not None:

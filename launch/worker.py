@@ -12,7 +12,7 @@ from common.net.ports import WORKER_PORT_IN_USE, check_port_free
 logger = logging.getLogger(__name__)
 
 
-async def _serve(config: WorkerConfig, link: WorkerLinkConfig, host: str, port: int) -> None:
+async def _serve_worker(config: WorkerConfig, link: WorkerLinkConfig, host: str, port: int) -> None:
     from worker_service.api.server import model_thread, serve_worker
     from worker_service.runtime.tp_group import create_worker_core
 
@@ -39,5 +39,5 @@ async def _serve(config: WorkerConfig, link: WorkerLinkConfig, host: str, port: 
 def run_worker(config: WorkerConfig, link: WorkerLinkConfig, host: str, port: int) -> int:
     """Serves Step RPCs on host:port (or the unix socket path host) until SIGTERM or SIGINT. A port in
     use raises PortInUseError (an OSError: the CLI prints it as one line, exit status 1)."""
-    asyncio.run(_serve(config, link, host, port))
+    asyncio.run(_serve_worker(config, link, host, port))
     return 0

@@ -1,13 +1,34 @@
-"""No import circles among the project's modules: every module of the packages is parsed with `ast`,
-its imports (at module level, inside functions and under TYPE_CHECKING alike) resolved to modules,
-and the graph must have no cycle."""
+"""The floor plan holds: every module of the packages is parsed with `ast`, its imports (at module
+level, inside functions and under TYPE_CHECKING alike) resolved to modules; the module graph has no
+cycle, no room (folder) imports a room above it in the declared layer map, the rooms' graph has no
+cycle, and the two services never import each other."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("common", "scheduler_service", "worker_service", "offline")
+PACKAGES = ("common", "launch", "offline", "scheduler_service", "worker_service")
+# Rooms from the top floor down; a room imports only rooms on its own floor or below. A room is a
+# folder (all its modules) or a module of its own; floors hold peers.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("launch",),
+    ("offline",),
+    ("scheduler_service.api", "worker_service.api"),
+    ("scheduler_service.observe",),
+    ("scheduler_service.lanes", "worker_service.runtime"),
+    ("scheduler_service.core", "worker_service.loader"),
+    ("worker_service.models",),
+    ("worker_service.layers", "worker_service.attention", "worker_service.sampling"),
+    ("worker_service.parallel",),
+    ("common", "common.client"),
+    ("common.security",),
+    ("common.net",),
+    ("common.contract", "common.formats", "common.gc_pauses", "common.gen_protos", "scheduler_service",
+     "worker_service"),
+    ("common.generated",),
+)
+INDEPENDENT = ("scheduler_service", "worker_service")  # the two services never import each other
 
 
 def module_files() -> dict[str, Path]:
@@ -125,3 +146,51 @@ def test_no_import_cycles() -> None:
     assert "worker_service.runtime.model_runner" in graph and graph["worker_service.runtime.model_runner"]
     cycles = find_cycles(graph)
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def room_of(module: str) -> str:
+    """The longest declared room that holds module (a package's own __init__ is its parent's room)."""
+    rooms = {room for floor in LAYERS for room in floor}
+    parts = module.split(".")
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in rooms:
+            return ".".join(parts[:end])
+    raise AssertionError(f"{module} lies in no room of LAYERS: add its folder to the layer map")
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    floor_of = {room: index for index, floor in enumerate(LAYERS) for room in floor}
+    violations = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            source_room, target_room = room_of(module), room_of(target)
+            if floor_of[target_room] < floor_of[source_room]:
+                violations.append(f"{module} imports {target}: {source_room} sits below {target_room}")
+            services = {module.partition(".")[0], target.partition(".")[0]}
+            if services == set(INDEPENDENT):
+                violations.append(f"{module} imports {target}: the two services never import each other")
+    return violations
+
+
+def room_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    rooms: dict[str, set[str]] = {room_of(module): set() for module in graph}
+    for module, targets in graph.items():
+        rooms[room_of(module)].update(room_of(target) for target in targets)
+    return {room: targets - {room} for room, targets in rooms.items()}
+
+
+def test_layering_is_checked_on_a_bad_import() -> None:
+    graph = {"common.contract.config": {"scheduler_service.core.sequence"}, "scheduler_service.core.sequence": set()}
+    assert layering_violations(graph) == ["common.contract.config imports scheduler_service.core.sequence: "
+                                          "common.contract sits below scheduler_service.core"]
+    assert layering_violations({"scheduler_service.api.x": {"worker_service.api.y"}, "worker_service.api.y": set()}) \
+        == ["scheduler_service.api.x imports worker_service.api.y: the two services never import each other"]
+
+
+def test_no_room_imports_a_room_above_it_and_rooms_form_no_circle() -> None:
+    graph = import_graph()
+    assert {room_of(module) for module in graph} == {room for floor in LAYERS for room in floor}
+    violations = layering_violations(graph)
+    assert not violations, "imports against the layer map:\n" + "\n".join(violations)
+    cycles = find_cycles(room_graph(graph))
+    assert not cycles, "room circles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)

@@ -6,6 +6,10 @@ from dataclasses import dataclass, field, fields, replace
 from common.contract.config_flags import option
 
 MAX_DECODE_STEPS = 64  # decode iterations in one step, whatever sets them
+# The step limits: the scheduler's plan and the worker's sizing (activation memory, CUDA graphs) start
+# from the same defaults; the scheduler never schedules more than its worker says (within()).
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 16384
 
 
 def _require(condition: bool, name: str, message: str) -> None:
@@ -30,8 +34,8 @@ def _check_fields(config: object) -> None:
 class SchedulerConfig:
     """How the scheduler batches work."""
 
-    max_num_seqs: int = option(256, "most sequences in one step", min=1)
-    max_num_batched_tokens: int = option(16384, "most tokens in one step", min=1)
+    max_num_seqs: int = option(DEFAULT_MAX_NUM_SEQS, "most sequences in one step", min=1)
+    max_num_batched_tokens: int = option(DEFAULT_MAX_NUM_BATCHED_TOKENS, "most tokens in one step", min=1)
     max_model_len: int = option(0, "longest sequence, prompt and output (0: the worker's limit)", min=0)
     enable_prefix_caching: bool = option(True, "the prefix cache", flag="prefix-caching")
     max_queue_size: int = option(4096, "unfinished requests per worker; beyond: RESOURCE_EXHAUSTED", min=1)
@@ -134,8 +138,10 @@ class WorkerConfig:
                                  "~twice the tokens", choices=("auto", "fp8"))
     seed: int = option(0, "seed of the worker's sampler for requests without a seed of their own")
     # The scheduler never schedules more (it takes the smaller of its own limits and these).
-    max_num_seqs: int = option(256, "most sequences in one step (sizes activation memory and CUDA graphs)", min=1)
-    max_num_batched_tokens: int = option(16384, "most tokens in one step (sizes activation memory)", min=1)
+    max_num_seqs: int = option(DEFAULT_MAX_NUM_SEQS, "most sequences in one step (sizes activation memory and "
+                              "CUDA graphs)", min=1)
+    max_num_batched_tokens: int = option(DEFAULT_MAX_NUM_BATCHED_TOKENS, "most tokens in one step (sizes activation "
+                                        "memory)", min=1)
     tensor_parallel_size: int = option(1, "shard the model over the first N visible GPUs (N processes on CPU)",
                                        aliases=("-tp",), min=1)
     cpu_weight_format: str = option("auto", "GGUF on CPU: int4 keeps 4-bit projections quantized (faster, "
@@ -177,23 +183,6 @@ class WorkerLinkConfig:
     @property
     def uses_tls(self) -> bool:
         return bool(self.tls_cert or self.tls_ca)
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    """What the scheduler learns from a worker at run time (its Describe reply); what a lane serves
-    (max_model_len within the scheduler's limit, the eos ids with the tokenizer's)."""
-
-    model_name: str
-    dtype: str
-    block_size: int
-    max_model_len: int
-    vocab_size: int
-    num_kv_blocks: int
-    device: str
-    max_num_seqs: int = 0  # 0: the worker sets no limit of its own
-    max_num_batched_tokens: int = 0
-    eos_token_ids: tuple[int, ...] = ()
 
 
 def split_options(options: dict[str, object]) -> tuple[dict[str, object], dict[str, object]]:

@@ -82,10 +82,10 @@ class Scheduler:
         output.released_seq_ids = self.take_released_seq_ids()
         return output
 
-    def observe_decode_period(self, num_iterations: int, period_s: float) -> None:
-        """The wall time of a step of num_iterations decode iterations alone, from the previous step's
+    def observe_decode_period(self, num_decode_steps: int, period_s: float) -> None:
+        """The wall time of a step of num_decode_steps decode iterations alone, from the previous step's
         result to its own (steps following without a gap): what sizes the next steps of decodes."""
-        self._decode_periods.append((num_iterations, period_s))
+        self._decode_periods.append((num_decode_steps, period_s))
 
     def _iteration_s(self) -> float:
         """Seconds per decode iteration over the last few steps (0: too few measured). A sum, not the

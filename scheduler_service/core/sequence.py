@@ -166,7 +166,3 @@ class ScheduledSequence(NamedTuple):
     # the scheduler may not even know it yet).
     token_ids: list[int]
     new_block_ids: list[int]  # blocks the worker has not seen: all of them for a new sequence
-
-    @property
-    def samples(self) -> bool:
-        return self.num_samples > 0

@@ -43,7 +43,7 @@ def test_fcfs_admission_bounded_by_max_num_seqs() -> None:
     seqs = [add(scheduler, 10, first_token=100 * i) for i in range(3)]
     output = scheduler.schedule()
     assert planned(output) == [(seqs[0].seq_id, 0, 10), (seqs[1].seq_id, 0, 10)]
-    assert all(item.samples and item.is_new_on_worker for item in output.scheduled)
+    assert all(item.num_samples and item.is_new_on_worker for item in output.scheduled)
     assert list(scheduler.waiting) == [seqs[2]]
     complete(scheduler, output)
     # Next step: two decodes, the third still waits for a free seat.
@@ -62,7 +62,7 @@ def test_token_budget_chunks_long_prompt() -> None:
     short = add(scheduler, 5, first_token=1000)
     output = scheduler.schedule()
     assert planned(output) == [(long.seq_id, 0, 32)]
-    assert not output.scheduled[0].samples
+    assert not output.scheduled[0].num_samples
     assert long.block_table == [0, 1]  # blocks only for the chunk
     complete(scheduler, output)
     output = scheduler.schedule()
@@ -71,7 +71,7 @@ def test_token_budget_chunks_long_prompt() -> None:
     output = scheduler.schedule()
     # The last 16 prompt tokens leave budget for the short prompt in the same step.
     assert planned(output) == [(long.seq_id, 64, 16), (short.seq_id, 0, 5)]
-    assert [item.samples for item in output.scheduled] == [True, True]
+    assert [item.num_samples for item in output.scheduled] == [1, 1]
     complete(scheduler, output)
     assert long.num_tokens == 81 and long.num_computed_tokens == 80
 

@@ -13,11 +13,11 @@ torch = pytest.importorskip("torch")
 from common.formats.gguf_file import GGUFFile  # noqa: E402
 from worker_service.attention import get_attention_backend  # noqa: E402
 from worker_service.attention.base import AttentionMetadata  # noqa: E402
-from worker_service.loader.cpu_quantization import resolve_cpu_weight_format  # noqa: E402
 from worker_service.loader.gguf_dequant import dequantize_tensor  # noqa: E402
 from worker_service.loader.gguf_int4 import read_int4_groups  # noqa: E402
 from worker_service.loader.gguf_loader import unpermute_rotary_rows  # noqa: E402
 from worker_service.loader.model_loading import load_checkpoint  # noqa: E402
+from worker_service.loader.placement import resolve_cpu_weight_format  # noqa: E402
 from worker_service.loader.quantized_cpu import Int4Linear, Int8Head  # noqa: E402
 
 TEXT = Path(__file__).resolve().parent.parent / "data" / "python_license.txt"

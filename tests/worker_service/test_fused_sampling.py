@@ -26,11 +26,12 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from common.contract.sampling_params import SamplingParams  # noqa: E402
+from worker_service.layers.fused_kernels import num_sms  # noqa: E402
 from worker_service.sampling.fused_sampling import (  # noqa: E402
     BLOCK,
+    INTERPRETER_NUM_SMS,
     REDUCE_BLOCK,
     _gumbel_log2,
-    _num_sms,
     default_num_chunks,
     gumbel_best,
     gumbel_sample,
@@ -274,7 +275,8 @@ def test_odd_vocab_and_forced_chunks_give_ids_in_range(num_chunks: int) -> None:
 def test_default_chunking_fills_the_device() -> None:
     num_rows = small(130, 5)
     num_programs = num_rows * default_num_chunks(num_rows, 151936, DEVICE)
-    assert 2 * _num_sms(DEVICE) <= num_programs <= 4 * _num_sms(DEVICE)
+    sms = num_sms(DEVICE, INTERPRETER_NUM_SMS)
+    assert 2 * sms <= num_programs <= 4 * sms
     assert default_num_chunks(1, 100, DEVICE) == 1  # never more chunks than tiles
     assert default_num_chunks(10**6, 151936, DEVICE) == 1
 

@@ -100,13 +100,14 @@ def teacher_forced_logits(checkpoint: Path, tokens: list[int], prompt_len: int) 
     state = WorkerSequence(seq_id=1, block_table=blocks, num_computed_tokens=0, num_tokens=prompt_len,
                            num_prompt_tokens=prompt_len, sampling=SamplingParams())
     half = prompt_len // 2
-    runner.forward_logits(build_model_input([ScheduledChunk(state, tokens[:half], samples=False)], 16))
+    forward = lambda chunk: runner.forward_logits(build_model_input([chunk], 16, runner.device))  # noqa: E731
+    forward(ScheduledChunk(state, tokens[:half], samples=False))
     state.num_computed_tokens = half
-    logits = [runner.forward_logits(build_model_input([ScheduledChunk(state, tokens[half:prompt_len], True)], 16))]
+    logits = [forward(ScheduledChunk(state, tokens[half:prompt_len], True))]
     state.num_computed_tokens = prompt_len
     for position in range(prompt_len, len(tokens) - 1):
         state.num_tokens = position + 1
-        logits.append(runner.forward_logits(build_model_input([ScheduledChunk(state, [tokens[position]], True)], 16)))
+        logits.append(forward(ScheduledChunk(state, [tokens[position]], True)))
         state.num_computed_tokens = position + 1
     return torch.cat(logits).float().cpu()
 

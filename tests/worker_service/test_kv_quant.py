@@ -17,7 +17,7 @@ from worker_service.attention.kv_quant import (
     kv_cache_torch_dtype,
     quantize,
 )
-from worker_service.runtime.model_runner import KVCacheSpec
+from worker_service.runtime.kv_cache import KVCacheSpec
 
 
 def test_each_head_vector_gets_its_own_scale() -> None:

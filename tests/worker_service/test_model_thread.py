@@ -27,5 +27,5 @@ def test_the_model_loads_on_the_model_thread(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setattr(tp_group, "create_worker_core", create_worker_core)
     with pytest.raises(_Loaded):
-        asyncio.run(main._serve(WorkerConfig(model="unused"), WorkerLinkConfig(secret="s"), "127.0.0.1", 0))
+        asyncio.run(main._serve_worker(WorkerConfig(model="unused"), WorkerLinkConfig(secret="s"), "127.0.0.1", 0))
     assert len(loaded_on) == 1 and loaded_on[0].startswith("model")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 
 from common.net.error_mapping import StatusMapper
+from worker_service.runtime.worker import StepOrderError
 
 
 class SessionLostError(RuntimeError):
@@ -14,10 +15,6 @@ class SessionLostError(RuntimeError):
 
 class ClaimRefusedError(RuntimeError):
     """Another session holds the worker and the claim did not ask to take over (FAILED_PRECONDITION)."""
-
-
-class StepOrderError(ValueError):
-    """A step id out of order: already used by this session, or skipping one (FAILED_PRECONDITION)."""
 
 
 # A malformed step or claim raises ValueError ("field: message"): INVALID_ARGUMENT with every table.

@@ -1,7 +1,6 @@
 """Small helpers shared by the Triton attention kernels: their launchers' checks, and the FP8 store."""
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -34,19 +33,6 @@ def attention_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     check_kernel_operands(q=q, k_cache=k_cache, v_cache=v_cache)
     return num_heads // num_kv_heads
-
-
-@functools.cache
-def _device_num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def num_sms(device: torch.device) -> int:
-    """Multiprocessors of device (cached: asking once is a driver call, not a sync)."""
-    if device.type != "cuda":
-        return H200_NUM_SMS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _device_num_sms(index)
 
 
 def compute_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:

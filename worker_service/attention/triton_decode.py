@@ -28,15 +28,16 @@ import triton.language as tl
 
 from worker_service.attention.kv_quant import is_fp8
 from worker_service.attention.triton_common import (
+    H200_NUM_SMS,
     LOG2E,
     attention_group,
     compute_dtype,
     dot_precision,
-    num_sms,
     scale_operands,
     widen_fp8_in_registers,
 )
 from worker_service.attention.triton_paging import load_page_ids, token_offsets
+from worker_service.layers.fused_kernels import num_sms
 
 DECODE_BLOCK_N = 64  # context tokens per tile: 16 KiB of K (and of V) per tile at head_dim 128 in bf16
 DECODE_NUM_WARPS = 4
@@ -190,7 +191,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
     context, and pass the result as AttentionMetadata.decode_num_splits (correct for any actual
     lengths: the kernel cuts each sequence's own context into that many pieces).
     """
-    sms = num_sms(device) if device is not None else num_sms(torch.device("cpu"))
+    sms = num_sms(device, H200_NUM_SMS) if device is not None else H200_NUM_SMS
     wanted = triton.cdiv(TARGET_WAVES * sms, max(1, num_seqs * num_kv_heads))
     useful = triton.cdiv(max(1, max_seq_len), MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, useful, MAX_NUM_SPLITS))

@@ -7,9 +7,10 @@ time per call outside CUDA graphs (dynamo's guards and wrappers), a third of a p
 versions stay the reference; CPUs take the fewer-op eager ones of cpu_kernels (`enable_for` chooses
 by device). Linear layers of at most 16 rows in 16-bit dtypes go to a Triton matrix-vector kernel
 (triton_skinny_matmul), others stay on cuBLAS; there the norm before a column-parallel projection
-runs in that kernel too."""
+runs in that kernel too. The Triton kernels (attention, sampling) size their grids by num_sms."""
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -74,3 +75,16 @@ def _by_dtype(half: Callable, full: Callable) -> Callable:
         return full(x, *args) if x.dtype == torch.float32 else half(x, *args)
 
     return kernel
+
+
+def num_sms(device: torch.device, otherwise: int) -> int:
+    """Multiprocessors of a CUDA device (cached: asking once is a driver call, not a sync); otherwise
+    on other devices (the CPU, Triton's interpreter)."""
+    if device.type != "cuda":
+        return otherwise
+    return _device_num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _device_num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -20,19 +20,6 @@ from worker_service.models.config import ModelConfig
 logger = logging.getLogger(__name__)
 
 
-
-def resolve_cpu_weight_format(name: str, device_type: str, is_gguf: bool, tensor_parallel_size: int = 1) -> str:
-    """auto: int4 for GGUF checkpoints on the CPU in one process, float32 elsewhere. int4 asked for
-    on a GPU, for a checkpoint that is not GGUF, or with tensor parallelism (the int4 layers are built
-    from whole GGUF tensors, not from a rank's shard) is an error rather than a silent no-op."""
-    can_use_int4 = device_type == "cpu" and is_gguf and tensor_parallel_size == 1
-    if name == "auto":
-        return "int4" if can_use_int4 else "float32"
-    if name == "int4" and not can_use_int4:
-        raise ValueError("cpu_weight_format: int4 needs a GGUF checkpoint on the CPU and tensor_parallel_size 1")
-    return name
-
-
 def _projection_sources(config: ModelConfig) -> dict[str, list[tuple[str, int]]]:
     """Our fused projection -> its GGUF tensors (suffix, heads to unpermute), in shard order."""
     is_permuted = config.architecture == "llama"  # llama.cpp interleaves llama's q/k rows only

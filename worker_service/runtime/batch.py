@@ -1,5 +1,6 @@
-"""Builds the tensors of one forward pass from a Step: token ids, positions, KV slots and the
-attention metadata. Pure bookkeeping on the host; the runner moves the result to the device."""
+"""Builds the tensors of one forward pass from the chunks a step computes: token ids, positions, KV
+slots and the attention metadata, each moved to the step's device as it is built. Pure bookkeeping:
+it reads sequence state and never changes it."""
 from __future__ import annotations
 
 import itertools
@@ -8,10 +9,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from common.generated.nanovllm.worker.v1 import worker_pb2
 from worker_service.attention.base import AttentionMetadata
 from worker_service.runtime.sequence_state import PendingToken, WorkerSequence
-from worker_service.sampling.sampling_state import SamplingRows
+from worker_service.sampling.sampling_state import SamplingRows, host_to_device
+
+HOST = torch.device("cpu")
 
 
 @dataclass
@@ -31,51 +33,14 @@ class ModelInput:
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampled] int64: the last token of each sampling chunk
     sampled_chunks: list[ScheduledChunk]
+    block_tables_host: np.ndarray  # metadata.block_tables, as built on the host
     # Tokens to take from earlier steps' device outputs, by input position.
     position_to_token_source: dict[int, PendingToken] = field(default_factory=dict)
 
 
-def apply_step(request: worker_pb2.StepRequest, seq_id_to_state: dict[int, WorkerSequence]) -> list[ScheduledChunk]:
-    """Updates per-sequence state from the step's deltas and lists what to compute, in order."""
-    for seq_id in request.released_seq_ids:
-        seq_id_to_state.pop(seq_id, None)
-    chunks: list[ScheduledChunk] = []
-    for new in request.new_sequences:
-        if new.seq_id in seq_id_to_state:
-            raise ValueError(f"sequence {new.seq_id} is already held; release it first")
-        state = WorkerSequence.from_message(new)
-        seq_id_to_state[new.seq_id] = state
-        chunks.append(_chunk(state, list(new.token_ids)))
-    for running in request.running_sequences:
-        state = seq_id_to_state.get(running.seq_id)
-        if state is None:
-            raise ValueError(f"sequence {running.seq_id} is unknown to this worker")
-        state.block_table.extend(running.new_block_ids)
-        if running.token_ids:
-            state.num_tokens = max(state.num_tokens, state.num_computed_tokens + len(running.token_ids))
-            chunks.append(_chunk(state, list(running.token_ids)))
-        elif state.pending is not None:
-            chunks.append(ScheduledChunk(state, [0], samples=True, token_source=state.pending))
-        elif state.last_token is not None:
-            chunks.append(ScheduledChunk(state, [state.last_token], samples=True))
-        else:
-            raise ValueError(f"sequence {running.seq_id}: no tokens to compute and no sampled token")
-    return chunks
-
-
-def _chunk(state: WorkerSequence, token_ids: list[int]) -> ScheduledChunk:
-    """A chunk of tokens the scheduler sent (not the worker's own last sampled token)."""
-    if not token_ids:
-        raise ValueError(f"sequence {state.seq_id}: empty chunk")
-    end = state.num_computed_tokens + len(token_ids)
-    if state.token_ids is not None:
-        state.token_ids.extend(token_ids)
-    return ScheduledChunk(state, token_ids, samples=end >= state.num_tokens)
-
-
-def build_model_input(chunks: list[ScheduledChunk], block_size: int) -> ModelInput:
+def build_model_input(chunks: list[ScheduledChunk], block_size: int, device: torch.device = HOST) -> ModelInput:
     """Vectorised over the batch: per-sequence Python work is limited to reading its counters and
-    copying its block table into one array."""
+    copying its block table into one array. The tensors are on device (on the CPU, no copy)."""
     num_seqs = len(chunks)
     query_lens = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=num_seqs)
     starts = np.fromiter((c.state.num_computed_tokens for c in chunks), dtype=np.int64, count=num_seqs)
@@ -105,25 +70,16 @@ def build_model_input(chunks: list[ScheduledChunk], block_size: int) -> ModelInp
     token_sources = {int(query_start[row]): chunk.token_source for row, chunk in enumerate(chunks)
                      if chunk.token_source is not None}
     seq_lens = ends.astype(np.int32)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.from_numpy(slots),
-        query_start_loc=torch.from_numpy(query_start.astype(np.int32)),
-        seq_lens=torch.from_numpy(seq_lens),
-        block_tables=torch.from_numpy(tables),
-        max_query_len=int(query_lens.max()),
-        max_seq_len=int(ends.max()),
-        block_size=block_size,
-        query_lens_host=query_lens.tolist(),
-        seq_lens_host=seq_lens.tolist(),
-    )
-    return ModelInput(
-        input_ids=torch.from_numpy(input_ids),
-        positions=torch.from_numpy(positions.astype(np.int64, copy=False)),
-        metadata=metadata,
-        logits_indices=torch.from_numpy(query_start[1:][samples] - 1),
-        sampled_chunks=[c for c in chunks if c.samples],
-        position_to_token_source=token_sources,
-    )
+    move = lambda array: host_to_device(torch.from_numpy(array), device)  # noqa: E731
+    metadata = AttentionMetadata(slot_mapping=move(slots), query_start_loc=move(query_start.astype(np.int32)),
+                                 seq_lens=move(seq_lens), block_tables=move(tables),
+                                 max_query_len=int(query_lens.max()), max_seq_len=int(ends.max()),
+                                 block_size=block_size, query_lens_host=query_lens.tolist(),
+                                 seq_lens_host=seq_lens.tolist())
+    return ModelInput(input_ids=move(input_ids), positions=move(positions.astype(np.int64, copy=False)),
+                      metadata=metadata, logits_indices=move(query_start[1:][samples] - 1),
+                      sampled_chunks=[c for c in chunks if c.samples], block_tables_host=tables,
+                      position_to_token_source=token_sources)
 
 
 def sampling_rows(chunks: list[ScheduledChunk]) -> SamplingRows:
@@ -133,10 +89,6 @@ def sampling_rows(chunks: list[ScheduledChunk]) -> SamplingRows:
     indices = [state.num_tokens - state.num_prompt_tokens for state in states]
     if all(state.token_ids is None for state in states):  # no penalties: no token lists to slice
         return SamplingRows(params, [None] * len(states), [()] * len(states), indices)
-    prompts: list[list[int] | None] = []
-    outputs: list[list[int]] = []
-    for state in states:
-        history = state.token_ids
-        prompts.append(None if history is None else history[:state.num_prompt_tokens])
-        outputs.append([] if history is None else history[state.num_prompt_tokens:])
+    prompts = [None if s.token_ids is None else s.token_ids[:s.num_prompt_tokens] for s in states]
+    outputs = [[] if s.token_ids is None else s.token_ids[s.num_prompt_tokens:] for s in states]
     return SamplingRows(params, prompts, outputs, indices)

@@ -1,16 +1,19 @@
-"""What a worker remembers of a sequence between steps: no more than the next step needs."""
+"""What a worker remembers of a sequence between steps: no more than the next step needs. Only
+WorkerSequence's methods change it (tests/worker_service/test_worker_sequence_ownership.py)."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
 
+from common.contract.lookahead import num_sampled_tokens
 from common.contract.sampling_params import SamplingParams
 from common.generated.nanovllm.worker.v1 import worker_pb2
 
 
-class InFlightStep(Protocol):
+class LaunchedStep(Protocol):
     """A launched step whose sampled tokens may still be on the device (worker.PendingStep)."""
 
     device_token_ids: torch.Tensor | None  # [num_sampling_rows]: each row's last sampled token
@@ -23,7 +26,7 @@ class InFlightStep(Protocol):
 class PendingToken(NamedTuple):
     """A token sampled by a step not read back yet: row `row` of that step's device output."""
 
-    step: InFlightStep
+    step: LaunchedStep
     row: int
 
 
@@ -51,12 +54,38 @@ class WorkerSequence:
             if len(history) != message.num_computed_tokens:
                 raise ValueError(f"sequence {message.seq_id}: a penalty needs cached_token_ids for all "
                                  f"{message.num_computed_tokens} cached tokens, got {len(history)}")
-        return cls(
-            seq_id=message.seq_id,
-            block_table=list(message.block_table),
-            num_computed_tokens=message.num_computed_tokens,
-            num_tokens=message.num_tokens,
-            num_prompt_tokens=message.num_prompt_tokens,
-            sampling=sampling,
-            token_ids=history,
-        )
+        return cls(seq_id=message.seq_id, block_table=list(message.block_table),
+                   num_computed_tokens=message.num_computed_tokens, num_tokens=message.num_tokens,
+                   num_prompt_tokens=message.num_prompt_tokens, sampling=sampling, token_ids=history)
+
+    def add_blocks(self, block_ids: Iterable[int]) -> None:
+        self.block_table.extend(block_ids)
+
+    def take_chunk(self, token_ids: list[int], can_grow: bool = False) -> bool:
+        """Takes tokens the scheduler sent to compute next (not one the worker sampled); returns whether
+        they reach the end of the sequence (and so sample). can_grow: they may end past the known end."""
+        if not token_ids:
+            raise ValueError(f"sequence {self.seq_id}: empty chunk")
+        end = self.num_computed_tokens + len(token_ids)
+        if can_grow:
+            self.num_tokens = max(self.num_tokens, end)
+        if self.token_ids is not None:
+            self.token_ids.extend(token_ids)
+        return end >= self.num_tokens
+
+    def advance(self, num_chunk_tokens: int, num_decode_steps: int, pending: PendingToken | None) -> None:
+        """Counts a launched step that computes a chunk of num_chunk_tokens and then num_decode_steps - 1
+        tokens it samples itself; pending: where its last sampled token will be (None: it samples none)."""
+        self.num_computed_tokens += num_chunk_tokens + num_decode_steps - 1
+        self.num_tokens += num_sampled_tokens(self.num_tokens, self.num_computed_tokens)
+        self.last_token = None
+        self.pending = pending
+
+    def record_sampled(self, step: LaunchedStep, token_ids: list[int]) -> None:
+        """The tokens step sampled for this sequence, read back: the last one is the next to compute,
+        unless a later step has taken its place already."""
+        if self.pending is not None and self.pending.step is step:
+            self.pending = None
+            self.last_token = token_ids[-1]
+        if self.token_ids is not None:
+            self.token_ids.extend(token_ids)

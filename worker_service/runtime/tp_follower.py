@@ -16,10 +16,10 @@ import torch
 from common.contract.config import WorkerConfig
 from common.generated.nanovllm.worker.v1 import worker_pb2
 from worker_service.layers import fused_kernels
+from worker_service.loader.placement import resolve_device
 from worker_service.parallel import step_channel
 from worker_service.parallel.distributed import destroy_tensor_parallel, init_tensor_parallel
 from worker_service.parallel.step_channel import MessageKind
-from worker_service.runtime.model_runner import resolve_device
 from worker_service.runtime.worker import PendingStep, WorkerCore
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ def run_follower(rank: int, config: WorkerConfig, init_address: str, from_rank0:
     threading.Thread(target=_exit_when_rank0_dies, args=(from_rank0,), daemon=True, name="rank0-watch").start()
     core = start_rank(config, rank, init_address, num_threads)
     logger.debug("rank %d ready", rank)
-    _serve(core)
+    _follow_steps(core)
     core.close()
     destroy_tensor_parallel()
 
@@ -50,7 +50,7 @@ def start_rank(config: WorkerConfig, rank: int, init_address: str, num_threads: 
     return WorkerCore(config)
 
 
-def _serve(core: WorkerCore) -> None:
+def _follow_steps(core: WorkerCore) -> None:
     """Runs rank 0's messages until SHUTDOWN. Like rank 0, reads each step back after launching the
     next, so the per-sequence state evolves the same way on every rank."""
     previous: PendingStep | None = None

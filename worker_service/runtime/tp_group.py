@@ -26,10 +26,10 @@ from common.generated.nanovllm.worker.v1 import worker_pb2
 from common.net.ports import free_port
 from worker_service.layers import fused_kernels
 from worker_service.loader.model_loading import read_model_config
+from worker_service.loader.placement import resolve_device
 from worker_service.parallel import step_channel
 from worker_service.parallel.distributed import destroy_tensor_parallel
 from worker_service.parallel.step_channel import MessageKind
-from worker_service.runtime.model_runner import resolve_device
 from worker_service.runtime.tp_follower import run_follower, start_rank
 from worker_service.runtime.worker import PendingStep, WorkerCore
 
@@ -105,10 +105,6 @@ class TensorParallelCore:
     @property
     def next_step_id(self) -> int:
         return self.core.next_step_id
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self.core.eos_token_ids
 
     def describe(self) -> worker_pb2.DescribeResponse:
         return self.core.describe()

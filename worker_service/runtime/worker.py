@@ -9,31 +9,32 @@ from __future__ import annotations
 
 import gc
 import threading
-import time
 
 import torch
 
 from common.contract.config import WorkerConfig
-from common.contract.lookahead import num_sampled_tokens
+from common.contract.worker_description import WorkerDescription
 from common.gc_pauses import freeze_startup_objects
 from common.generated.nanovllm.worker.v1 import worker_pb2
-from worker_service.api.statuses import StepOrderError
-from worker_service.runtime.batch import ScheduledChunk, apply_step, build_model_input
+from worker_service.runtime.batch import ScheduledChunk, build_model_input
 from worker_service.runtime.model_runner import ModelRunner
 from worker_service.runtime.sequence_state import PendingToken, WorkerSequence
 from worker_service.sampling.sampler import SamplerOutput
+
+
+class StepOrderError(ValueError):
+    """A step id out of order: already used by this session, or skipping one (FAILED_PRECONDITION)."""
 
 
 class PendingStep:
     """A launched step whose sampled tokens are still on the device (or being copied back)."""
 
     def __init__(self, lock: threading.Lock, step_id: int, chunks: list[ScheduledChunk],
-                 output: SamplerOutput | None, previous: PendingStep | None, started: float) -> None:
-        """output: tensors of [num_sampling_rows, num_iterations]."""
+                 output: SamplerOutput | None, previous: PendingStep | None) -> None:
+        """output: tensors of [num_sampling_rows, num_decode_steps]."""
         self.lock = lock
         self.step_id = step_id
         self.chunks = chunks
-        self.started = started
         self.previous = previous
         # The last token of each row: what the next decode step of that sequence computes.
         self.device_token_ids = output.token_ids[:, -1] if output is not None else None
@@ -63,7 +64,6 @@ class PendingStep:
         if self._host is not None:
             _record_samples(self, self._host, response)
         self._host = None
-        response.worker_time_us = int((time.perf_counter() - self.started) * 1e6)
         return response
 
 
@@ -76,21 +76,16 @@ def _copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _record_samples(step: PendingStep, output: SamplerOutput, response: worker_pb2.StepResponse) -> None:
-    """One entry per sampled token: each row's iterations as consecutive entries."""
+    """One entry per sampled token: each row's decode steps as consecutive entries."""
     token_ids = output.token_ids.tolist()
     logprobs = output.logprobs.tolist() if output.logprobs is not None else None
     top_ids = output.top_token_ids.tolist() if output.top_token_ids is not None else None
     top_values = output.top_logprobs.tolist() if output.top_logprobs is not None else None
     for row, chunk in enumerate(c for c in step.chunks if c.samples):
         state = chunk.state
-        row_tokens = token_ids[row]
-        if state.pending is not None and state.pending.step is step:
-            state.pending = None
-            state.last_token = row_tokens[-1]
-        if state.token_ids is not None:
-            state.token_ids.extend(row_tokens)
+        state.record_sampled(step, token_ids[row])
         num_top = state.sampling.num_top_logprobs
-        for index, token_id in enumerate(row_tokens):
+        for index, token_id in enumerate(token_ids[row]):
             sampled = response.tokens.add(seq_id=state.seq_id, token_id=token_id)
             if state.sampling.logprobs and logprobs is not None:
                 sampled.logprob = logprobs[row][index]
@@ -113,26 +108,16 @@ class WorkerCore:
         self.next_step_id = 1
         self._last_launched: PendingStep | None = None
 
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self.runner.model_config.eos_token_ids
-
     def describe(self) -> worker_pb2.DescribeResponse:
-        runner = self.runner
-        return worker_pb2.DescribeResponse(
-            model_name=runner.model_name,
-            dtype=str(runner.dtype).removeprefix("torch."),
-            block_size=self.config.block_size,
-            max_model_len=runner.max_model_len,
-            vocab_size=runner.vocab_size,
-            num_kv_blocks=runner.num_kv_blocks or runner.available_kv_blocks(),
-            device=str(runner.device),
-            tensor_parallel_size=self.config.tensor_parallel_size,
-            eos_token_ids=self.eos_token_ids,
+        runner, config = self.runner, self.config
+        return WorkerDescription(
+            model_name=config.model, dtype=str(runner.dtype).removeprefix("torch."),
+            block_size=config.block_size, max_model_len=runner.max_model_len, vocab_size=runner.vocab_size,
+            num_kv_blocks=runner.num_kv_blocks or runner.available_kv_blocks(), device=str(runner.device),
+            tensor_parallel_size=config.tensor_parallel_size, eos_token_ids=runner.model_config.eos_token_ids,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             num_held_sequences=len(self.seq_id_to_state),
-            max_num_seqs=self.config.max_num_seqs,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
-        )
+        ).to_proto()
 
     def init_cache(self, request: worker_pb2.InitCacheRequest) -> worker_pb2.InitCacheResponse:
         available = self.runner.num_kv_blocks or self.runner.available_kv_blocks()
@@ -165,7 +150,6 @@ class WorkerCore:
     @torch.inference_mode()
     def launch(self, request: worker_pb2.StepRequest) -> PendingStep:
         """Queues one step's work; its tokens are read back by PendingStep.result()."""
-        started = time.perf_counter()
         with self.lock:
             if request.step_id != self.next_step_id:
                 # Names only the caller's own id: the next one is the session's business.
@@ -174,22 +158,18 @@ class WorkerCore:
             self.next_step_id = request.step_id + 1
             chunks = apply_step(request, self.seq_id_to_state)
         self._resolve_history_sources(chunks)
-        num_steps = max(request.num_decode_steps, 1)
+        num_decode_steps = max(request.num_decode_steps, 1)
         output = None
         with self.lock:
             if chunks:
-                output = self.runner.run(build_model_input(chunks, self.config.block_size), num_steps)
-            pending = PendingStep(self.lock, request.step_id, chunks, output, self._last_launched, started)
+                model_input = build_model_input(chunks, self.config.block_size, self.runner.device)
+                output = self.runner.run(model_input, num_decode_steps)
+            pending = PendingStep(self.lock, request.step_id, chunks, output, self._last_launched)
             row = 0
             for chunk in chunks:
-                state = chunk.state
-                state.num_computed_tokens += len(chunk.token_ids) + num_steps - 1
-                state.num_tokens += num_sampled_tokens(state.num_tokens, state.num_computed_tokens)
-                state.last_token = None
-                state.pending = None
-                if chunk.samples:
-                    state.pending = PendingToken(pending, row)
-                    row += 1
+                chunk.state.advance(len(chunk.token_ids), num_decode_steps,
+                                    PendingToken(pending, row) if chunk.samples else None)
+                row += chunk.samples
         self._last_launched = pending
         return pending
 
@@ -199,3 +179,31 @@ class WorkerCore:
         for chunk in chunks:
             if chunk.token_source is not None and chunk.state.token_ids is not None:
                 chunk.token_source.step.result()
+
+
+def apply_step(request: worker_pb2.StepRequest, seq_id_to_state: dict[int, WorkerSequence]) -> list[ScheduledChunk]:
+    """Updates per-sequence state from the step's deltas and lists what to compute, in order."""
+    for seq_id in request.released_seq_ids:
+        seq_id_to_state.pop(seq_id, None)
+    chunks: list[ScheduledChunk] = []
+    for new in request.new_sequences:
+        if new.seq_id in seq_id_to_state:
+            raise ValueError(f"sequence {new.seq_id} is already held; release it first")
+        state = seq_id_to_state[new.seq_id] = WorkerSequence.from_message(new)
+        token_ids = list(new.token_ids)
+        chunks.append(ScheduledChunk(state, token_ids, samples=state.take_chunk(token_ids)))
+    for running in request.running_sequences:
+        state = seq_id_to_state.get(running.seq_id)
+        if state is None:
+            raise ValueError(f"sequence {running.seq_id} is unknown to this worker")
+        state.add_blocks(running.new_block_ids)
+        if running.token_ids:
+            token_ids = list(running.token_ids)
+            chunks.append(ScheduledChunk(state, token_ids, samples=state.take_chunk(token_ids, can_grow=True)))
+        elif state.pending is not None:
+            chunks.append(ScheduledChunk(state, [0], samples=True, token_source=state.pending))
+        elif state.last_token is not None:
+            chunks.append(ScheduledChunk(state, [state.last_token], samples=True))
+        else:
+            raise ValueError(f"sequence {running.seq_id}: no tokens to compute and no sampled token")
+    return chunks

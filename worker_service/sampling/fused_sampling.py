@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-from worker_service.attention.triton_common import num_sms
+from worker_service.layers.fused_kernels import num_sms
 from worker_service.sampling import FUSED_SAMPLING_DTYPES
 
 BLOCK = 4096  # columns per tile: a quarter (one Philox output) is 8 columns, 16 bytes of bf16, a thread
@@ -233,7 +233,7 @@ def _check_arguments(logits: torch.Tensor, inv_temperatures: torch.Tensor, seed:
 
 def default_num_chunks(num_rows: int, vocab_size: int, device: torch.device) -> int:
     """Chunks per row so that the grid has about TARGET_WAVES programs per multiprocessor."""
-    num_programs = TARGET_WAVES * _num_sms(device)
+    num_programs = TARGET_WAVES * num_sms(device, INTERPRETER_NUM_SMS)
     return max(1, min(triton.cdiv(num_programs, num_rows), triton.cdiv(vocab_size, BLOCK)))
 
 
@@ -244,8 +244,3 @@ def _chunk_layout(column_offset: int, column_end: int, num_chunks: int) -> tuple
     chunk_size = triton.cdiv(num_tiles, max(1, min(num_chunks, num_tiles))) * BLOCK
     return chunk_size, triton.cdiv(num_tiles * BLOCK, chunk_size)
 
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return INTERPRETER_NUM_SMS
-    return num_sms(device)

@@ -55,7 +55,7 @@ class SamplerOutput:
 
 
 def stack_iterations(outputs: list[SamplerOutput]) -> SamplerOutput:
-    """The outputs of one step's iterations as one, [B] -> [B, num_iterations] (top: [B, .., K]);
+    """The outputs of one step's iterations as one, [B] -> [B, num_decode_steps] (top: [B, .., K]);
     a single iteration is a view, not a copy."""
     if len(outputs) == 1:
         return outputs[0].map(lambda tensor: tensor.unsqueeze(1))
