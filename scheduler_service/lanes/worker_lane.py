@@ -84,10 +84,6 @@ class WorkerLane:
         """What the lane serves (its last worker's model and limits); None before any connected."""
         return self.core.served
 
-    @property
-    def num_unfinished(self) -> int:
-        return self.core.num_unfinished
-
     def stats(self) -> EngineStats:
         return self.core.stats()
 
