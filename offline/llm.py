@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Coroutine
+import time
+from collections.abc import Callable, Coroutine
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
@@ -14,6 +15,8 @@ from tqdm.auto import tqdm
 from common.contract.config import SchedulerConfig, WorkerConfig, split_options
 from common.contract.sampling_params import SamplingParams
 from common.contract.worker_description import WorkerDescription
+from common.formats.checkpoint import resolve_model
+from common.formats.default_model import default_model_path
 from common.gc_pauses import freeze_startup_objects
 from common.generated.nanovllm.worker.v1 import worker_pb2
 from scheduler_service.api.tokenizer import eos_token_ids, load_tokenizer
@@ -29,14 +32,20 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """`LLM(model_path, **options).generate(prompts, sampling_params)`, as nano-vllm's. Options are
-    the fields of SchedulerConfig and WorkerConfig (block_size, max_num_seqs, num_kv_blocks, dtype,
-    device, tensor_parallel_size, ...); with tensor_parallel_size > 1 the other ranks are child
-    processes. A context manager: close() frees the model and its memory and stops those ranks."""
+    """`LLM(model, **options).generate(prompts, sampling_params)`, as nano-vllm's. model: a Hugging Face
+    checkpoint folder, a .gguf file, or a hub id ("org/name") already in the local Hugging Face cache
+    (never downloaded); None: the default model, as `nanovllm serve` (common/formats/default_model.py).
+    A model that names nothing usable raises ModelNotFoundError (a FileNotFoundError and a
+    ValueError), its message one line. Options are the fields of SchedulerConfig and WorkerConfig
+    (block_size, max_num_seqs, num_kv_blocks, dtype, device, tensor_parallel_size, ...); with
+    tensor_parallel_size > 1 the other ranks are child processes. A context manager: close() frees
+    the model and its memory and stops those ranks."""
 
-    def __init__(self, model: str, **options: Any) -> None:
+    def __init__(self, model: str | None = None, **options: Any) -> None:
         scheduler_options, worker_options = split_options(options)
         self.scheduler_config = SchedulerConfig(**scheduler_options)
+        model = resolve_model(default_model_path() if model is None else model, "model")
+        self.model = model  # the checkpoint's path (a hub id's snapshot folder)
         worker_config = WorkerConfig(model=model, **worker_options)
         self.worker: WorkerCore | TensorParallelCore | None = create_worker_core(worker_config)
         try:
@@ -111,14 +120,20 @@ def _run_to_end(coroutine: Coroutine[Any, Any, None]) -> None:
 
 
 class _Progress:
-    """Each request's text as it comes, and the tqdm bar: finished requests, and the last nonzero
-    prefill and decode rates of a step."""
+    """Each request's text as it comes, and the tqdm bar: finished requests, and the prefill and
+    decode rates over the run so far: prompt tokens computed (prefix-cache hits aside, recomputed
+    ones included) and tokens generated, each per second since generate() began."""
 
-    def __init__(self, sequences: list[Sequence], enabled: bool, has_text: bool) -> None:
+    def __init__(self, sequences: list[Sequence], enabled: bool, has_text: bool,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.bar = tqdm(total=len(sequences), desc="Generating", dynamic_ncols=True, disable=not enabled)
         self.rates = {"prefill": "0tok/s", "decode": "0tok/s"}
+        self.num_prefill_tokens = 0  # prompt tokens computed so far
+        self.num_decode_tokens = 0  # tokens generated so far
         self.seq_id_to_texts: dict[int, list[str]] = {seq.seq_id: [] for seq in sequences}
         self._has_text = has_text
+        self._clock = clock
+        self._started = clock()
 
     def on_step(self, step: InFlightStep, outputs: list[RequestOutput], period_s: float | None) -> None:
         if self._has_text:
@@ -128,11 +143,13 @@ class _Progress:
             return
         self.bar.update(sum(1 for output in outputs if output.finished))
         request = step.request
-        num_prefill = sum(len(s.token_ids) for s in [*request.new_sequences, *request.running_sequences])
-        num_decode = sum(1 for s in request.running_sequences if not s.token_ids) * max(request.num_decode_steps, 1)
-        for name, num_tokens in (("prefill", num_prefill), ("decode", num_decode)):
-            if num_tokens and period_s:
-                self.rates[name] = f"{num_tokens / period_s:.0f}tok/s"
+        self.num_prefill_tokens += sum(len(s.token_ids) for s in request.new_sequences)
+        self.num_prefill_tokens += sum(len(s.token_ids) for s in request.running_sequences)
+        self.num_decode_tokens += sum(len(output.token_ids) for output in outputs)
+        elapsed_s = self._clock() - self._started
+        if elapsed_s > 0:
+            self.rates = {"prefill": f"{self.num_prefill_tokens / elapsed_s:.0f}tok/s",
+                          "decode": f"{self.num_decode_tokens / elapsed_s:.0f}tok/s"}
         self.bar.set_postfix(self.rates)
 
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.services_harness import REPO_ROOT, free_port, start_scheduler, start_worker, stop
 from tests.test_services_e2e import model_with_tokenizer
 
@@ -64,3 +66,103 @@ def test_reference_workload_lengths_and_poisson_arrivals() -> None:
     assert arrival_offsets(5, float("inf"), seed=0) == [0.0] * 5
     offsets = arrival_offsets(1000, 10.0, seed=0)
     assert offsets == sorted(offsets) and offsets[0] == 0.0 and offsets == arrival_offsets(1000, 10.0, seed=0)
+
+
+# --- options: defaults shown, optional dependencies checked first, TLS and API keys ----------------------
+
+
+def test_help_shows_the_defaults() -> None:
+    result = subprocess.run([sys.executable, "bench/serving.py", "--help"], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())  # argparse wraps lines
+    for shown in ("(default: 127.0.0.1:50051)", "(default: 4,8,16,32,inf)", "requests per rate (default: 256)",
+                  "(default: 0.6)", "--ca-cert", "--api-key-file", "$NANOVLLM_API_KEY"):
+        assert shown in text, shown
+    assert "(default: None)" not in text  # those options say what leaving them out means
+
+
+def test_missing_matplotlib_for_plot_stops_before_the_run(monkeypatch, capsys, tmp_path: Path) -> None:
+    import importlib.util
+
+    import bench.serving as serving
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
+    monkeypatch.setattr(serving, "run", lambda args: pytest.fail("the benchmark ran"))
+    # Nothing listens at the target: the check comes before any connection.
+    assert serving.main(["--target", f"127.0.0.1:{free_port()}", "--plot", str(tmp_path / "p.png")]) == 2
+    err = capsys.readouterr().err
+    assert err == ("bench/serving.py: --plot needs matplotlib, which is not installed: "
+                   "pip install -e '.[bench]' (or pip install matplotlib)\n")
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_api_key_from_the_file_or_the_environment(tmp_path: Path) -> None:
+    from bench.serving import call_metadata, parse_args
+
+    key_file = tmp_path / "key.txt"
+    key_file.write_text("# the benchmark's key\n\n  key-from-file  \nsecond-key\n")
+    assert call_metadata(parse_args(["--api-key-file", str(key_file)]), environ={"NANOVLLM_API_KEY": "env"}) == (
+        ("authorization", "Bearer key-from-file"),)
+    assert call_metadata(parse_args([]), environ={"NANOVLLM_API_KEY": " key-from-env\n"}) == (
+        ("authorization", "Bearer key-from-env"),)
+    assert call_metadata(parse_args([]), environ={}) == ()
+    (tmp_path / "empty.txt").write_text("# none\n")
+    with pytest.raises(ValueError, match=r"^--api-key-file: '.*empty.txt' holds no key$"):
+        call_metadata(parse_args(["--api-key-file", str(tmp_path / "empty.txt")]), environ={})
+    with pytest.raises(ValueError, match=r"^--api-key-file: cannot read '.*missing.txt'"):
+        call_metadata(parse_args(["--api-key-file", str(tmp_path / "missing.txt")]), environ={})
+
+
+def test_benchmark_of_a_service_with_tls_and_api_keys(tmp_path: Path, monkeypatch, capsys) -> None:
+    from bench.serving import main
+    from common.contract.config import PublicServerConfig
+    from common.security.api_keys import ApiKeys
+    from scheduler_service.api.tokenizer import load_tokenizer
+    from tests.certificates import CertificateAuthority
+    from tests.scheduler_service.public_server_harness import FakeEngine, ServerThread, save_tiny_tokenizer
+
+    ca = CertificateAuthority("bench CA")
+    issued = ca.issue("localhost", server=True)
+    (tmp_path / "ca.pem").write_bytes(ca.cert_pem)
+    (tmp_path / "cert.pem").write_bytes(issued.cert)
+    (tmp_path / "key.pem").write_bytes(issued.key)
+    (tmp_path / "server_keys.txt").write_text("bench-key-0123456789\n")
+    (tmp_path / "client_key.txt").write_text("bench-key-0123456789\n")
+    config = PublicServerConfig(tls_cert=str(tmp_path / "cert.pem"), tls_key=str(tmp_path / "key.pem"),
+                                api_key_file=str(tmp_path / "server_keys.txt"), served_model_name="bench-model")
+    engine = FakeEngine(load_tokenizer(str(save_tiny_tokenizer(tmp_path / "tokenizer"))))
+    server = ServerThread(engine, config=config,
+                          api_keys=ApiKeys.from_config(config.api_key_file, environ={})).start()
+    monkeypatch.delenv("NANOVLLM_API_KEY", raising=False)
+    target = f"localhost:{server.public.port}"  # the name the certificate holds
+    common = ["--target", target, "--request-rates", "inf", "--num-prompts", "3", "--dataset", "fixed",
+              "--input-len", "8", "--output-len", "3", "--single-stream-prompt-lens", "", "--num-warmup", "1",
+              "--ready-timeout", "20"]
+    json_out = tmp_path / "serving.json"
+    try:
+        assert main([*common, "--ca-cert", str(tmp_path / "ca.pem"), "--api-key-file",
+                     str(tmp_path / "client_key.txt"), "--json-out", str(json_out)]) == 0
+        results = json.loads(json_out.read_text())
+        assert results["model"]["name"] == "bench-model"  # the served name
+        (run,) = results["runs"]
+        # The fake engine answers every request with three tokens.
+        assert (run["num_requests"], run["num_completed"], run["num_failed"], run["output_tokens"]) == (3, 3, 0, 9)
+        num_requests = len(engine.requests)
+        assert num_requests == 1 + 3  # the warm-up and the measured ones
+
+        monkeypatch.setenv("NANOVLLM_API_KEY", "bench-key-0123456789")
+        assert main([*common, "--ca-cert", str(tmp_path / "ca.pem")]) == 0  # the key from the environment
+        assert len(engine.requests) == num_requests + 4
+
+        capsys.readouterr()
+        monkeypatch.delenv("NANOVLLM_API_KEY")
+        assert main([*common, "--ca-cert", str(tmp_path / "ca.pem")]) == 1
+        assert capsys.readouterr().err == (
+            "bench/serving.py: GetModelInfo: UNAUTHENTICATED: authorization: send 'authorization: Bearer <API key>' "
+            "with a valid key (the service wants an API key: --api-key-file or $NANOVLLM_API_KEY)\n")
+        assert len(engine.requests) == num_requests + 4  # refused: nothing ran
+    finally:
+        server.stop()

@@ -1,6 +1,6 @@
 """The monitoring files (scheduler_service/observe/monitoring/) against what the scheduler really exports:
-the Grafana dashboard queries only metrics a live /metrics endpoint serves, Prometheus scrapes the
-port compose.yaml gives the scheduler, and the README lists every metric."""
+the Grafana dashboard queries only metrics a live /metrics endpoint serves, Prometheus scrapes every
+scheduler at the port compose.yaml gives it, and the README lists every metric."""
 from __future__ import annotations
 
 import json
@@ -60,13 +60,17 @@ def test_dashboard_panels_use_the_provisioned_datasource() -> None:
     assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
 
 
-def test_prometheus_scrapes_the_port_compose_gives_the_scheduler() -> None:
+def test_prometheus_scrapes_every_scheduler_at_the_port_compose_gives_it() -> None:
     compose = yaml.safe_load((REPO_ROOT / "compose.yaml").read_text())
-    command = compose["services"]["scheduler"]["command"]
-    port = command[command.index("--metrics-port") + 1]
+    expected = set()
+    for name, service in compose["services"].items():
+        command = service.get("command") or []
+        if command[:1] == ["scheduler"]:
+            expected.add(f"{name}:{command[command.index('--metrics-port') + 1]}")
     config = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
+    assert len(config["scrape_configs"]) == 1  # tests/test_prometheus_server.py points this job at its scheduler
     targets = [t for job in config["scrape_configs"] for static in job["static_configs"] for t in static["targets"]]
-    assert targets == [f"scheduler:{port}"]
+    assert sorted(targets) == sorted(expected) and len(expected) == 3
 
 
 def test_readme_lists_every_metric(exported: dict) -> None:

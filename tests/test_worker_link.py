@@ -298,10 +298,11 @@ def test_health_command_with_tls_to_a_plaintext_worker_says_how_it_dialed(worker
     assert seconds < 30
 
 
-def test_worker_on_a_port_in_use_exits_naming_the_port() -> None:
+def test_worker_on_a_port_in_use_exits_naming_the_port(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")  # a model folder that passes the start-up checks, never loaded
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        result = run_cli("worker", "--model", "unused", "--port", str(port), timeout=60)
+        result = run_cli("worker", "--model", str(tmp_path), "--port", str(port), timeout=60)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == (
         f"nanovllm worker: cannot listen on 127.0.0.1:{port}: Address already in use")
@@ -343,11 +344,12 @@ def test_scheduler_with_its_worker_gone_does_not_wait_the_grace(model, worker) -
 
 
 def test_serve_exits_with_the_workers_error_when_it_dies_at_start_up(tmp_path) -> None:
-    missing = tmp_path / "no-such-model"
-    result = run_cli("serve", "--model", str(missing), "--port", str(free_port()), "--device", "cpu", timeout=300)
+    # A folder that passes the start-up checks (it has a config.json) but that no worker can load.
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    result = run_cli("serve", "--model", str(tmp_path), "--port", str(free_port()), "--device", "cpu", timeout=300)
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("nanovllm serve: the worker exited with code 1: ") and str(missing) in last
+    assert last.startswith("nanovllm serve: the worker exited with code ") and "no-such-architecture" in last
 
 
 def test_serve_gives_its_worker_a_random_secret_through_the_environment(model, tmp_path) -> None:

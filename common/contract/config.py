@@ -94,6 +94,8 @@ class PublicServerConfig:
                                        "RESOURCE_EXHAUSTED", min=1)
     shutdown_grace_s: float = option(30.0, "seconds in-flight requests get to finish after SIGTERM or SIGINT",
                                      flag="shutdown-grace")
+    served_model_name: str | None = option(None, "the model's name in GetModelInfo, request logs and benchmarks "
+                                           "(None: the model's folder name or GGUF file stem)")
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -101,6 +103,8 @@ class PublicServerConfig:
                  "--tls-cert and --tls-key go together")
         _require(self.tls_client_ca is None or self.tls_cert is not None, "tls_client_ca",
                  "needs --tls-cert and --tls-key")
+        _require(self.served_model_name is None or bool(self.served_model_name.strip()), "served_model_name",
+                 "must not be blank")
 
 
 @dataclass(frozen=True)
@@ -169,10 +173,10 @@ class WorkerLinkConfig:
     carry the prefix --worker-."""
 
     secret: str = field(repr=False, metadata={"cli": False})
-    tls_cert: str = option("", "PEM certificate chain of this end of the worker link: TLS")
-    tls_key: str = option("", "PEM private key of the link's certificate")
-    tls_ca: str = option("", "PEM CA: on the scheduler, the one that signs the workers' certificates; on the "
-                         "worker (--tls-client-ca), require scheduler certificates it signed (mTLS)")
+    tls_cert: str = option("", "PEM certificate chain this end presents on the worker link (TLS)")
+    tls_key: str = option("", "PEM private key of that certificate")
+    # The worker's flag, --tls-client-ca, has its own help (launch/cli.py): there it requires client certificates.
+    tls_ca: str = option("", "PEM CA that signs the workers' certificates: dial them over TLS (not given: plaintext)")
     takeover: bool = option(False, "take the workers over from a scheduler session that holds them (one that "
                             "stopped); without it a held worker is refused")
 

@@ -23,16 +23,20 @@ def _flag_fields(config_type: type, skip: Collection[str]) -> list[dataclasses.F
 
 
 def add_flags(parser: argparse.ArgumentParser | Any, config_type: type, *, prefix: str = "",
-              skip: Collection[str] = (), names: Mapping[str, str] | None = None) -> None:
-    """Adds a flag per field: --<prefix><flag>, dest <prefix>_<field>; names overrides a field's flag here.
-    Booleans take --x / --no-x; a required field's flag defaults to None."""
+              skip: Collection[str] = (), names: Mapping[str, str] | None = None,
+              helps: Mapping[str, str] | None = None) -> None:
+    """Adds a flag per field: --<prefix><flag>, dest <prefix>_<field>; names overrides a field's flag
+    here, helps its help (where this side's meaning differs). Booleans take --x / --no-x; a required
+    field's flag defaults to None."""
     hints = get_type_hints(config_type)
     for f in _flag_fields(config_type, skip):
         name = (names or {}).get(f.name) or f"--{prefix}{f.metadata.get('flag', f.name.replace('_', '-'))}"
         kind = next((t for t in get_args(hints[f.name]) if t is not type(None)), hints[f.name])
         default = None if f.default is dataclasses.MISSING else f.default
         settings: dict[str, Any] = {"dest": prefix.replace("-", "_") + f.name, "default": default,
-                                    "help": f.metadata.get("help", "")}
+                                    "help": (helps or {}).get(f.name) or f.metadata.get("help", "")}
+        if f.name in (names or {}):  # the value's name in --help follows the flag's
+            settings["metavar"] = name.lstrip("-").replace("-", "_").upper()
         if kind is bool:
             settings["action"] = argparse.BooleanOptionalAction
         else:

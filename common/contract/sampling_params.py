@@ -95,6 +95,10 @@ class SamplingParams:
             problem = param.validator(value) if param.validator else None
             if problem:
                 raise ValueError(f"{param.name}: {problem}")
+        # As OpenAI's API: alternatives are asked for on top of the sampled token's logprob, not instead.
+        if self.num_top_logprobs and not self.logprobs:
+            raise ValueError(f"num_top_logprobs: needs logprobs: true (got {self.num_top_logprobs} "
+                             "with logprobs: false)")
 
     # Cached: the worker reads these several times per row at every step.
     @cached_property

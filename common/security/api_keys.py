@@ -19,6 +19,11 @@ API_KEYS_ENV = "NANOVLLM_API_KEYS"
 API_KEY_REFUSAL = "authorization: send 'authorization: Bearer <API key>' with a valid key"
 
 
+def count_keys(count: int) -> str:
+    """'1 key', '2 keys' (and '0 keys')."""
+    return f"{count} key" if count == 1 else f"{count} keys"
+
+
 def _read_keys(path: str) -> list[bytes]:
     with open(path, encoding="utf-8") as file:
         lines = (line.strip() for line in file.read().splitlines())
@@ -33,6 +38,7 @@ class ApiKeys:
         self.path = path
         self._env_keys = [key.strip().encode() for key in (env_value or "").split(",") if key.strip()]
         self._file: ReloadingFiles[list[bytes]] | None = None
+        self._unreadable: str | None = None  # why the file could not be read last time: warned once, not per call
         if path is not None:
             try:
                 self._file = ReloadingFiles([path], lambda: _read_keys(path))
@@ -59,11 +65,17 @@ class ApiKeys:
         try:
             keys = self._file.reload_if_changed()
         except (OSError, UnicodeDecodeError) as error:
-            logger.warning("API key file %s unreadable, keeping the keys last read (%s)", self.path,
-                           error.__class__.__name__)
+            reason = error.__class__.__name__
+            if reason != self._unreadable:  # once while it stays so (calls would repeat it many times a second)
+                logger.warning("API key file %s unreadable (%s): keeping the %s last read until it can be read "
+                               "again", self.path, reason, count_keys(len(self.keys)))
+                self._unreadable = reason
             return
+        if self._unreadable is not None and keys is None:  # back as it was before it went missing
+            logger.info("API key file %s readable again: %s", self.path, count_keys(len(self.keys)))
+        self._unreadable = None
         if keys is not None:
-            logger.info("API key file changed: %d keys", len(keys))
+            logger.info("API key file changed: %s", count_keys(len(keys)))
 
     def accepts(self, authorization: str | None) -> bool:
         """True when `authorization` is "Bearer <one of the keys>" (bearer_auth.is_bearer_of: constant time)."""

@@ -32,6 +32,7 @@ from scheduler_service.api.reflection_pool import public_descriptor_pool
 from scheduler_service.api.request_record import RequestRecord
 from scheduler_service.api.response_conversion import (
     ResponseAccumulator,
+    default_served_name,
     load_response,
     model_info_response,
     stream_response,
@@ -67,9 +68,10 @@ class Engine(Protocol):
 
 
 class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
-    def __init__(self, engine: Engine, metrics: ServiceMetrics) -> None:
+    def __init__(self, engine: Engine, metrics: ServiceMetrics, served_model_name: str | None = None) -> None:
         self.engine = engine
         self.metrics = metrics  # the request metrics are recorded here
+        self._served_model_name = served_model_name  # None: from the worker's model path
         # Tokenizing a long prompt takes milliseconds: off the event loop, so that other requests'
         # deltas keep flowing. One thread: the tokenizers library does not promise thread safety (a
         # tokenizer shared between threads has failed with "Already borrowed").
@@ -86,6 +88,14 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
             raise EngineUnavailableError("no worker is ready")
         return model_info
 
+    def served_model_name(self) -> str | None:
+        """--served-model-name, else the worker's model folder name or GGUF file stem (None until a
+        worker has connected once)."""
+        if self._served_model_name:
+            return self._served_model_name
+        model_info = self.engine.model_info
+        return default_served_name(model_info.model_name) if model_info is not None else None
+
     def _convert(self, request: generate_pb2.GenerateRequest) -> tuple[list[int], SamplingParams]:
         model_info = self._model_info()
         prompt = convert.prompt_token_ids(request, self.engine.tokenizer, model_info)
@@ -94,7 +104,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
     async def Generate(self, request: generate_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> generate_pb2.GenerateResponse:
         request_id = convert.request_id_of(request)
-        with RequestRecord(self.metrics, "Generate", request_id, context) as record:
+        with RequestRecord(self.metrics, "Generate", request_id, context, self.served_model_name()) as record:
             prompt, params = await self._run_tokenizer(self._convert, request)
             response = ResponseAccumulator(request_id)
             async with contextlib.aclosing(self.engine.generate(prompt, params)) as outputs:
@@ -106,7 +116,8 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
     async def GenerateStream(self, request: generate_pb2.GenerateRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateStreamResponse]:
         request_id = convert.request_id_of(request)
-        with RequestRecord(self.metrics, "GenerateStream", request_id, context) as record:
+        with RequestRecord(self.metrics, "GenerateStream", request_id, context,
+                          self.served_model_name()) as record:
             prompt, params = await self._run_tokenizer(self._convert, request)
             async with contextlib.aclosing(self.engine.generate(prompt, params)) as outputs:
                 async for output in outputs:
@@ -119,6 +130,8 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
         kind = request.WhichOneof("input")
         # Text that could not fit the model's context is refused untokenized (once a worker told it).
         model_info = self.engine.model_info
+        if tokenizer is None and model_info is None:  # the tokenizer may come with the worker's model
+            raise EngineUnavailableError("no worker is ready")
         max_tokens = model_info.max_model_len if model_info is not None else None
         if kind == "text":
             add_special_tokens = request.add_special_tokens if request.HasField("add_special_tokens") else True
@@ -134,6 +147,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
                          context: grpc.aio.ServicerContext) -> generate_pb2.DetokenizeResponse:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
+            self._model_info()  # no worker yet: UNAVAILABLE (the tokenizer may come with its model)
             raise RequestError("token_ids: this model has no tokenizer")
         ids = list(request.token_ids)
         convert.check_vocabulary(ids, "token_ids", self._model_info().vocab_size)
@@ -143,7 +157,8 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
 
     async def GetModelInfo(self, request: generate_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> generate_pb2.GetModelInfoResponse:
-        return model_info_response(self._model_info(), self.engine.tokenizer)
+        model_info = self._model_info()
+        return model_info_response(model_info, self.engine.tokenizer, self.served_model_name() or "")
 
     async def GetLoad(self, request: generate_pb2.GetLoadRequest,
                       context: grpc.aio.ServicerContext) -> generate_pb2.GetLoadResponse:
@@ -170,6 +185,7 @@ class PublicServer:
         self.health = health_servicer
         self.readiness_poll_s = readiness_poll_s
         self._watch_task: asyncio.Task[None] | None = None
+        self._draining = False
 
     async def start(self) -> None:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -179,7 +195,14 @@ class PublicServer:
 
     async def set_not_serving(self) -> None:
         """Reports NOT_SERVING from now on, whatever the engine's state (call when draining)."""
+        self._draining = True
         await self.health.enter_graceful_shutdown()
+
+    @property
+    def is_serving(self) -> bool:
+        """What health reports, as a flag (for the metrics server's HTTP /health): SERVING while the
+        engine is ready and the server is not draining."""
+        return not self._draining and self.engine.is_ready
 
     async def stop(self, grace: float | None) -> None:
         """Reports NOT_SERVING, then stops: calls in flight get `grace` seconds to finish."""
@@ -234,7 +257,7 @@ def build_public_server(engine: Engine, host: str, port: int, *,
     auth = BearerTokenInterceptor(api_keys.accepts, API_KEY_REFUSAL) if api_keys is not None else None
     server = grpc_options.new_server(STATUSES, auth, max_concurrent_calls=config.max_concurrent_calls,
                                      max_message_bytes=max_message_bytes, options=PENDING_CALL_OPTIONS)
-    servicer = TextGenerationServicer(engine, metrics or ServiceMetrics(recording=False))
+    servicer = TextGenerationServicer(engine, metrics or ServiceMetrics(recording=False), config.served_model_name)
     generate_pb2_grpc.add_TextGenerationServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

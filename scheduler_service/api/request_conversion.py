@@ -123,7 +123,6 @@ def sampling_params(request: generate_pb2.GenerateRequest, num_prompt_tokens: in
         raise RequestError(f"max_tokens: {request.max_tokens} + {num_prompt_tokens} prompt tokens exceed "
                            f"max_model_len {model_info.max_model_len} (at most {room})")
     check_vocabulary(list(request.stop_token_ids), "stop_token_ids", model_info.vocab_size)
-    values["logprobs"] = values["logprobs"] or values.get("num_top_logprobs", 0) > 0  # top_logprobs implies it
     try:
         return SamplingParams(**values)
     except ValueError as exc:

@@ -3,8 +3,8 @@
 The servicer wraps each Generate / GenerateStream call in `with RequestRecord(...) as record:` and
 hands it every engine output; when the call ends, however it ends (finished, an error status, the
 client cancelled, the deadline passed), the record counts it in the metrics and logs one line:
-request id, the client's W3C traceparent when valid, token counts, finish reason or status code,
-TTFT, e2e and queue time. Never the prompt or the output text.
+request id, the served model's name, the client's W3C traceparent when valid, token counts, finish
+reason or status code, TTFT, e2e and queue time. Never the prompt or the output text.
 """
 from __future__ import annotations
 
@@ -50,8 +50,9 @@ class RequestRecord:
     """Timings and counts of one call; a context manager that records the call's end."""
 
     def __init__(self, metrics: ServiceMetrics, method: str, request_id: str,
-                 context: grpc.aio.ServicerContext) -> None:
+                 context: grpc.aio.ServicerContext, model: str | None = None) -> None:
         self.metrics = metrics
+        self.model = model  # the served model name (None before any worker connected)
         self.recording = metrics.recording
         self.method = method
         self.request_id = request_id
@@ -129,6 +130,7 @@ class RequestRecord:
         last = self.last
         fields: dict[str, Any] = {
             "request_id": self.request_id,
+            "model": self.model,
             "method": self.method,
             "status": status,
             "finish_reason": finish_reason,

@@ -1,6 +1,9 @@
 """Engine outputs (RequestOutput deltas) -> public API responses."""
 from __future__ import annotations
 
+import re
+from pathlib import PurePath
+
 from common.contract.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 from common.contract.worker_description import WorkerDescription
 from common.generated.nanovllm.generate.v1 import generate_pb2
@@ -75,9 +78,28 @@ class ResponseAccumulator:
         return self.response
 
 
-def model_info_response(model_info: WorkerDescription, tokenizer: object | None) -> generate_pb2.GetModelInfoResponse:
+# A Hugging Face cache snapshot: .../models--<org>--<name>/snapshots/<revision>
+_HUB_SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/[^/]+/?$")
+
+
+def default_served_name(model_path: str) -> str:
+    """The name a model is served under when --served-model-name is not given, from the worker's
+    model path: a checkpoint folder's name, a GGUF file's stem, a Hugging Face cache snapshot's
+    org/name; anything else as it is."""
+    hub = _HUB_SNAPSHOT.search(model_path.replace("\\", "/"))
+    if hub is not None:
+        return f"{hub['org']}/{hub['name']}"
+    path = PurePath(model_path)
+    if not path.name:  # "", "/"
+        return model_path
+    return path.stem if path.suffix.lower() == ".gguf" else path.name
+
+
+def model_info_response(model_info: WorkerDescription, tokenizer: object | None,
+                        model_name: str) -> generate_pb2.GetModelInfoResponse:
+    """model_name: the served name (--served-model-name, or default_served_name of the path)."""
     return generate_pb2.GetModelInfoResponse(
-        model_name=model_info.model_name,
+        model_name=model_name,
         max_model_len=model_info.max_model_len,
         vocab_size=model_info.vocab_size,
         eos_token_ids=sorted(model_info.eos_token_ids),

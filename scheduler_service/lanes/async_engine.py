@@ -5,6 +5,10 @@ ready lane with the least outstanding work in tokens (scheduler_service/lanes/la
 parallelism: one block pool per lane). If the caller stops iterating (client cancelled, deadline
 passed) the sequence is aborted at once: its blocks return to the pool and the worker is told to
 release it.
+
+A service that listens before its tokenizer is known (a standalone scheduler whose worker names the
+model) creates the engine with AsyncEngine.pending() and calls begin() once the tokenizer is loaded:
+until then no lane runs, so it is not ready and new requests get UNAVAILABLE "no worker is ready".
 """
 from __future__ import annotations
 
@@ -27,6 +31,11 @@ from scheduler_service.lanes.worker_lane import LaneObserver, WorkerLane
 
 logger = logging.getLogger(__name__)
 __all__ = ["AsyncEngine", "RequestOutput"]
+
+# What a request still running when the drain ends gets: UNAVAILABLE, which a gateway retries
+# elsewhere (an OK status with finish reason ABORTED would read as a finished answer).
+GRACE_ENDED = "the service is shutting down: the drain's grace period ended"
+DRAIN_CUT = "the service is shutting down: the drain was cut short"
 
 
 class _Outbox:
@@ -82,15 +91,32 @@ class AsyncEngine:
         self.lane_loads = LaneLoads()
         self._requests: dict[int, _Request] = {}
         self._draining = False
+        self._begun = False
+        self._drain_deadline: float | None = None
+        self._drain_end = GRACE_ENDED
 
     @classmethod
     async def start(cls, config: SchedulerConfig, workers: WorkerClient | SequenceABC[WorkerClient],
                     tokenizer: Any | None, eos_token_ids: set[int] | None = None,
                     observer: LaneObserver | None = None) -> AsyncEngine:
         engine = cls(config, workers, tokenizer, eos_token_ids, observer)
-        for lane in engine.lanes:
-            lane.start()
+        engine.begin(tokenizer, eos_token_ids)
         return engine
+
+    @classmethod
+    def pending(cls, config: SchedulerConfig, workers: WorkerClient | SequenceABC[WorkerClient],
+                observer: LaneObserver | None = None) -> AsyncEngine:
+        """An engine whose lanes start with begin(): not ready until then (no worker is contacted)."""
+        return cls(config, workers, None, None, observer)
+
+    def begin(self, tokenizer: Any | None, eos_token_ids: set[int] | None = None) -> None:
+        """Starts the lanes, with the tokenizer and extra EOS ids known at last. Once only."""
+        if self._begun:
+            raise RuntimeError("the engine's lanes are started already")
+        self._begun = True
+        self.tokenizer = tokenizer
+        for lane in self.lanes:
+            lane.start(eos_token_ids)
 
     async def wait_ready(self, timeout: float | None = None) -> None:
         """Returns once some lane has a connected worker."""
@@ -159,20 +185,29 @@ class AsyncEngine:
             self.lane_loads.finish(charge)
 
     async def shutdown(self, grace_s: float = 30.0) -> None:
-        """Refuses new requests, lets running ones finish for up to grace_s, aborts the rest. Requests
-        parked on a lost worker are not waited for: nothing runs them."""
+        """Refuses new requests, lets running ones finish for up to grace_s (or until cut_drain()),
+        then ends the rest with UNAVAILABLE (GRACE_ENDED). Requests parked on a lost worker are not
+        waited for: nothing runs them."""
         self._draining = True
-        deadline = asyncio.get_running_loop().time() + grace_s
+        loop = asyncio.get_running_loop()
+        if self._drain_deadline is None:  # cut_drain() may have come first
+            self._drain_deadline = loop.time() + grace_s
         while (any(request.lane.is_ready for request in self._requests.values())
-               and asyncio.get_running_loop().time() < deadline):
+               and loop.time() < self._drain_deadline):
             await asyncio.sleep(0.05)
         for request in list(self._requests.values()):
-            last = request.lane.abort(request.seq)
+            request.lane.abort(request.seq)  # its blocks return to the pool, the worker forgets it
             if request.lane.is_ready:
-                request.outputs.put(last)
+                request.outputs.put(EngineUnavailableError(self._drain_end))
             else:
                 request.outputs.put(WorkerLostError("worker lost: the service is shutting down"))
         await asyncio.gather(*(lane.close() for lane in self.lanes))
+
+    def cut_drain(self) -> None:
+        """Ends shutdown()'s wait now (a second signal): what still runs gets UNAVAILABLE (DRAIN_CUT)."""
+        self._draining = True
+        self._drain_deadline = float("-inf")
+        self._drain_end = DRAIN_CUT
 
     # What the lanes report (LaneOwner).
 

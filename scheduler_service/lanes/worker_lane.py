@@ -87,7 +87,11 @@ class WorkerLane:
     def stats(self) -> EngineStats:
         return self.core.stats()
 
-    def start(self) -> None:
+    def start(self, extra_eos_token_ids: Iterable[int] | None = None) -> None:
+        """Starts the loop; extra_eos_token_ids, when given, replace those the lane was made with
+        (known only now: the tokenizer's)."""
+        if extra_eos_token_ids is not None:
+            self.core = EngineCore(self.config, extra_eos_token_ids)
         self._task = asyncio.create_task(self._run(), name=f"lane-{self.worker.address}")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -140,18 +144,20 @@ class WorkerLane:
         return True
 
     async def _connect(self) -> None:
-        last_complaint = None
+        last_complaint = None  # logged when it changes (the first wait, another error), not each retry
         while True:
             try:
                 describe = WorkerDescription.from_proto(await self.worker.describe())
                 reply = await self.worker.init_cache(describe.num_kv_blocks)
                 break
             except grpc.aio.AioRpcError as error:
-                complaint = _describe(error)
-                if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    logger.info("waiting for worker %s: %s", self.worker.address, error.code().name)
-                elif complaint != last_complaint:  # a refused claim or secret: said once, retried quietly
-                    logger.error("worker %s refused us: %s; retrying", self.worker.address, complaint)
+                waiting = error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                complaint = error.code().name if waiting else _describe(error)
+                if complaint != last_complaint:
+                    if waiting:
+                        logger.info("waiting for worker %s: %s", self.worker.address, complaint)
+                    else:  # a refused claim or secret
+                        logger.error("worker %s refused us: %s; retrying", self.worker.address, complaint)
                 last_complaint = complaint
                 await asyncio.sleep(RECONNECT_DELAY_S)
         self._cancel_loss_timer()

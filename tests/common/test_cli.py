@@ -30,12 +30,13 @@ def test_health_with_an_unreadable_tls_file_exits_2_naming_it(tmp_path) -> None:
     result = run_cli("health", "--target", "127.0.0.1:1", "--client-cert", str(missing))
     assert (result.returncode, result.stderr) == (2, "nanovllm health: tls cert and key: give both or neither\n")
 
-def test_serve_hands_every_worker_field_to_its_worker_command() -> None:
+def test_serve_hands_every_worker_field_to_its_worker_command(tmp_path) -> None:
     from common.contract.config import ObservabilityConfig, WorkerConfig
     from launch.cli import build_parser, worker_config
     from launch.serve import worker_command
 
-    config = WorkerConfig("m.gguf", dtype="float16", device="cpu", block_size=32, max_model_len=77,
+    (tmp_path / "m.gguf").touch()  # worker_config checks that the model exists
+    config = WorkerConfig(str(tmp_path / "m.gguf"), dtype="float16", device="cpu", block_size=32, max_model_len=77,
                           gpu_memory_utilization=0.5, cpu_kv_cache_bytes=3 << 28, num_kv_blocks=9, enforce_eager=True,
                           attention_backend="torch", kv_cache_dtype="fp8", seed=5, max_num_seqs=3,
                           max_num_batched_tokens=99, tensor_parallel_size=2, cpu_weight_format="int4")

@@ -25,3 +25,15 @@ def test_step_conversion_round_trips_what_the_worker_needs() -> None:
     assert SamplingParams.from_proto(params.to_proto()) == replace(params, max_tokens=16, stop=(), ignore_eos=False)
     assert SamplingParams().to_proto().ByteSize() == 0  # neutral values stay off the wire
     assert params.needs_token_history and not SamplingParams(temperature=0).needs_token_history
+
+
+def test_top_logprobs_need_logprobs() -> None:
+    import pytest
+
+    with pytest.raises(ValueError) as raised:
+        SamplingParams(num_top_logprobs=1)
+    assert str(raised.value) == "num_top_logprobs: needs logprobs: true (got 1 with logprobs: false)"
+    with pytest.raises(ValueError, match="^num_top_logprobs: needs logprobs: true"):
+        SamplingParams.from_proto(worker_pb2.SamplingParams(num_top_logprobs=2))
+    assert SamplingParams(logprobs=True, num_top_logprobs=1).num_top_logprobs == 1
+    assert SamplingParams(logprobs=True).num_top_logprobs == 0

@@ -133,6 +133,8 @@ INVALID_REQUESTS = [
     ("hello", None, {"stop": [f"s{i}" for i in range(17)]}, "stop: at most 16 stop strings, got 17"),
     ("hello", None, {"stop": [""]}, "stop: each stop string must have 1..256 characters"),
     ("hello", None, {"top_logprobs": 21}, "top_logprobs: must be in [0, 20], got 21"),
+    ("hello", None, {"top_logprobs": 2}, "top_logprobs: needs logprobs: true (got 2 with logprobs: false)"),
+    ("hello", None, {"top_logprobs": 2, "logprobs": False}, "top_logprobs: needs logprobs: true"),
     (None, [{"role": "bot", "content": "hi"}], {},
      "chat.messages[0].role: must be one of system, user, assistant, tool; got 'bot'"),
 ]

@@ -71,8 +71,9 @@ def test_finished_request_is_counted_and_logged_once(stub, metrics_port: int, re
     before = scrape(metrics_port)
     stub.Generate(build_request("hello world", request_id="ok-1"), metadata=[("traceparent", TRACEPARENT)])
     fields = line_of(request_lines, "ok-1")
-    assert fields == {"request_id": "ok-1", "method": "Generate", "status": "OK", "finish_reason": "stop",
-                      "prompt_tokens": 2, "completion_tokens": 3, "cached_tokens": 2, "ttft_s": fields["ttft_s"],
+    assert fields == {"request_id": "ok-1", "model": "fake-model", "method": "Generate", "status": "OK",
+                      "finish_reason": "stop", "prompt_tokens": 2, "completion_tokens": 3, "cached_tokens": 2,
+                      "ttft_s": fields["ttft_s"],
                       "e2e_s": fields["e2e_s"], "queue_time_s": None, "traceparent": TRACEPARENT}
     assert 0 <= fields["ttft_s"] <= fields["e2e_s"]
     after = scrape(metrics_port)

@@ -265,7 +265,7 @@ def test_logprobs_are_raw_and_top_logprobs_sorted(device: torch.device) -> None:
         P(temperature=0.0, logprobs=True, repetition_penalty=1.5),
         P(temperature=0.7, top_k=20, logprobs=True, num_top_logprobs=3),
         P(temperature=1.2, frequency_penalty=1.0, logprobs=True, num_top_logprobs=5),
-        P(num_top_logprobs=8),  # top logprobs without logprobs: not asked for
+        P(temperature=0.9),  # no logprobs asked for (top logprobs alone are invalid: SamplingParams)
         P(temperature=0.0),
     ]
     batch = build(params, vocab_size, device, [[1, 2, 3]] * 5, [[4, 4, 2]] * 5)
