@@ -19,6 +19,9 @@ from common.net.grpc_options import channel_options
 from common.security.tls import channel_credentials
 from common.security.worker_secret import secret_metadata
 
+RECONNECT_BACKOFF_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                             ("grpc.max_reconnect_backoff_ms", 1000)]
+
 
 class WorkerClient(Protocol):
     """One worker (or one tensor-parallel group, through its rank 0)."""
@@ -48,11 +51,14 @@ class GrpcWorkerClient:
         self.session_id = secrets.token_hex(16)
         self._may_take_over = link.takeover
         self._metadata = secret_metadata(link.secret)
+        # While the worker is away the channel retries its connection with growing pauses (gRPC's default
+        # grows to minutes): capped at a second, so that a worker that comes back is served within one.
+        options = [*channel_options(), *RECONNECT_BACKOFF_OPTIONS]
         if link.uses_tls:
             credentials = channel_credentials(link.tls_ca, link.tls_cert, link.tls_key)
-            self._channel = grpc.aio.secure_channel(address, credentials, options=channel_options())
+            self._channel = grpc.aio.secure_channel(address, credentials, options=options)
         else:
-            self._channel = grpc.aio.insecure_channel(address, options=channel_options())
+            self._channel = grpc.aio.insecure_channel(address, options=options)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
 
     async def describe(self) -> worker_pb2.DescribeResponse:
