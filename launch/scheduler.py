@@ -26,7 +26,8 @@ from scheduler_service.api.tokenizer import eos_token_ids, load_tokenizer
 from scheduler_service.lanes.async_engine import AsyncEngine
 from scheduler_service.lanes.worker_client import GrpcWorkerClient, WorkerClient
 from scheduler_service.observe.load_report import LoadReport
-from scheduler_service.observe.metrics import MetricsServer, ServiceMetrics
+from scheduler_service.observe.metrics import ServiceMetrics
+from scheduler_service.observe.metrics_server import MetricsServer
 
 logger = logging.getLogger(__name__)
 # A busy --metrics-port, found before anything starts (the flag named: the operator's fix).
@@ -151,7 +152,8 @@ async def _start(service: SchedulerServiceConfig) -> tuple[AsyncEngine, PublicSe
     try:
         if metrics_port:
             metrics_server = MetricsServer(metrics.registry, public.host, metrics_port,
-                                           is_serving=lambda: server.is_serving)
+                                           is_serving=lambda: server.is_serving,
+                                           model_name=server.servicer.served_model_name)
             logger.info("Prometheus metrics on http://%s:%d/metrics", public.host, metrics_server.port)
     except BaseException:  # taken since the check: one line all the same, nothing left running
         await _close(engine, server, None, grace_s=0)

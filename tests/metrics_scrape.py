@@ -17,8 +17,15 @@ def scrape(port: int, host: str = "127.0.0.1") -> Samples:
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:
-    """A sample's value; 0 for a labelled counter child not created yet."""
-    return samples.get((name, frozenset(labels.items())), 0.0)
+    """A sample's value, whatever served model_name labels it (unless asked for); 0 for a labelled
+    counter child not created yet."""
+    wanted = frozenset(labels.items())
+    if (name, wanted) in samples or "model_name" in labels:
+        return samples.get((name, wanted), 0.0)
+    matches = [number for (sample, sample_labels), number in samples.items()
+               if sample == name and frozenset(item for item in sample_labels if item[0] != "model_name") == wanted]
+    assert len(matches) <= 1, f"{name}{labels}: {len(matches)} samples"
+    return matches[0] if matches else 0.0
 
 
 def families(samples: Samples) -> set[str]:

@@ -12,7 +12,8 @@ import yaml
 
 from scheduler_service.core.outputs import EngineStats
 from scheduler_service.observe.load_report import LoadReport
-from scheduler_service.observe.metrics import MetricsServer, ServiceMetrics
+from scheduler_service.observe.metrics import ServiceMetrics
+from scheduler_service.observe.metrics_server import MetricsServer
 from tests.metrics_scrape import scrape
 from tests.services_harness import REPO_ROOT
 

@@ -120,7 +120,7 @@ def test_idle_load_per_worker_in_get_load_and_the_gauges(two_workers: Services) 
     samples = two_workers.scrape()
     for address in two_workers.addresses:
         for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio"):
-            assert (f"nanovllm_{gauge}", frozenset({("worker", address)})) in samples
+            assert (f"nanovllm_{gauge}", frozenset({("worker", address), ("model_name", "qwen3")})) in samples
             assert value(samples, f"nanovllm_{gauge}", worker=address) == 0
 
 

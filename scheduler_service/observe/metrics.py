@@ -14,28 +14,20 @@ takes a lock and costs 1 to 2 us, and a step brings a delta to each of up to hun
 So generated tokens are a plain int, and a request's inter-token gaps are binned with numpy into
 a single-writer histogram when the request ends (that histogram lags long requests).
 
-MetricsServer serves them over HTTP: GET /metrics (Prometheus text format, without the `*_created`
-series, which would double the series count for a value nobody graphs), GET /health (200 while
-the service reports SERVING, else 503: for HTTP probes) and 404 for any other path.
+observe/metrics_server.py serves them over HTTP.
 """
 from __future__ import annotations
 
 import bisect
-import errno
-import socket
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from common.net.ports import METRICS_PORT_IN_USE, PortInUseError, grpc_address, listen_hosts
 from scheduler_service.core.outputs import EngineStats
 from scheduler_service.observe.load_report import LoadReport
 
@@ -204,92 +196,3 @@ class _LoopCollector(Collector):
         yield from (running, waiting, usage)
         yield GaugeMetricFamily("nanovllm_workers_ready", "Workers connected and serving",
                                 value=report.num_workers_ready)
-
-
-class WithoutCreated(Collector):
-    """A registry's metrics without their `*_created` samples (prometheus_client adds one per
-    counter and histogram; its switch, disable_created_metrics(), is process-wide)."""
-
-    def __init__(self, registry: Collector) -> None:
-        self.registry = registry
-
-    def collect(self) -> Iterator[Metric]:
-        for metric in self.registry.collect():
-            created = metric.name + "_created"
-            if any(sample.name == created for sample in metric.samples):
-                copy = Metric(metric.name, metric.documentation, metric.type, metric.unit)
-                copy.samples = [sample for sample in metric.samples if sample.name != created]
-                metric = copy
-            yield metric
-
-
-class _IPv6HTTPServer(ThreadingHTTPServer):
-    address_family = socket.AF_INET6
-
-
-def _handler(registry: Collector, is_serving: Callable[[], bool] | None) -> type[BaseHTTPRequestHandler]:
-    exposed = WithoutCreated(registry)
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-            path = self.path.split("?", 1)[0]
-            if path == "/metrics":
-                self._reply(200, generate_latest(exposed), CONTENT_TYPE_PLAIN_0_0_4)  # any Prometheus reads it
-            elif path == "/health":
-                serving = is_serving is not None and is_serving()
-                self._reply(200 if serving else 503, b"SERVING\n" if serving else b"NOT_SERVING\n")
-            else:
-                self._reply(404, b"not found: /metrics (Prometheus) and /health (200 while SERVING) are served\n")
-
-        def _reply(self, status: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:  # every scrape would log a line to stderr
-            pass
-
-    return Handler
-
-
-class MetricsServer:
-    """The metrics HTTP endpoint, in daemon threads: /metrics, /health (200 while is_serving() is
-    true; None: never) and 404 elsewhere. A loopback host binds 127.0.0.1 and ::1 (listen_hosts).
-    Raises PortInUseError (one line naming host:port) when the port is taken."""
-
-    def __init__(self, registry: CollectorRegistry, host: str, port: int,
-                 is_serving: Callable[[], bool] | None = None) -> None:
-        handler = _handler(registry, is_serving)
-        self._servers: list[ThreadingHTTPServer] = []
-        try:
-            for address in listen_hosts(host):
-                server_type = _IPv6HTTPServer if ":" in address else ThreadingHTTPServer
-                try:
-                    server = server_type((address.strip("[]"), port if not self._servers else self.port), handler)
-                except OSError as error:
-                    if error.errno != errno.EADDRINUSE:
-                        raise
-                    if port == 0 and self._servers:  # the OS's pick for 127.0.0.1 is taken on ::1: IPv4 only
-                        continue
-                    raise PortInUseError(METRICS_PORT_IN_USE.format(address=grpc_address(host, port))) from None
-                server.daemon_threads = True
-                self._servers.append(server)
-                self.port: int = server.server_port
-        except BaseException:
-            self.close()
-            raise
-        self._threads = [threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
-                         for server in self._servers]
-        for thread in self._threads:
-            thread.start()
-
-    def close(self) -> None:
-        for server in self._servers:
-            if getattr(self, "_threads", None):
-                server.shutdown()
-            server.server_close()
-        for thread in getattr(self, "_threads", []):
-            thread.join(timeout=5)
-        self._threads = []

@@ -3,7 +3,8 @@ buckets, and engine counters carried across a lane's new engine core (a reconnec
 from __future__ import annotations
 
 from scheduler_service.core.outputs import EngineStats
-from scheduler_service.observe.metrics import ITL_BUCKETS, MetricsServer, ServiceMetrics
+from scheduler_service.observe.metrics import ITL_BUCKETS, ServiceMetrics
+from scheduler_service.observe.metrics_server import MetricsServer
 from tests.metrics_scrape import scrape, value
 
 
@@ -40,3 +41,19 @@ def test_lane_counters_are_added_as_differences_per_lane() -> None:
             value(samples, "nanovllm_num_preemptions_total")) == (110, 16, 3)
     assert value(samples, "nanovllm_worker_recoveries_total") == 1
     assert value(samples, "nanovllm_step_duration_seconds_count") == 2
+
+
+def test_every_sample_is_labelled_with_the_served_model_once_known() -> None:
+    metrics = ServiceMetrics()
+    metrics.request_success.labels("length").inc()
+    name: list[str | None] = [None]
+    server = MetricsServer(metrics.registry, "127.0.0.1", 0, model_name=lambda: name[0])
+    try:
+        before = scrape(server.port)
+        name[0] = "qwen3-0.6b"
+        after = scrape(server.port)
+    finally:
+        server.close()
+    assert all("model_name" not in labels for _, labels in before)
+    assert all(dict(labels).get("model_name") == "qwen3-0.6b" for _, labels in after)
+    assert value(after, "nanovllm_request_success_total", finish_reason="length", model_name="qwen3-0.6b") == 1

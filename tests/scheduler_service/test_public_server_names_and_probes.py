@@ -30,7 +30,8 @@ from common.net.ports import (
 from scheduler_service.api.public_server import SERVICE_NAME
 from scheduler_service.api.response_conversion import default_served_name
 from scheduler_service.api.tokenizer import load_tokenizer
-from scheduler_service.observe.metrics import MetricsServer, ServiceMetrics
+from scheduler_service.observe.metrics import ServiceMetrics
+from scheduler_service.observe.metrics_server import MetricsServer
 from tests.grpcurl_tools import GRPCURL
 from tests.scheduler_service.public_server_harness import FakeEngine, ServerThread, save_tiny_tokenizer
 from tests.services_harness import wait_until

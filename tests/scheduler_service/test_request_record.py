@@ -14,7 +14,8 @@ from common.generated.nanovllm.generate.v1 import generate_pb2, generate_pb2_grp
 from launch.log_format import JsonFormatter, TextFormatter
 from scheduler_service.api.request_record import valid_traceparent
 from scheduler_service.api.tokenizer import load_tokenizer
-from scheduler_service.observe.metrics import MetricsServer, ServiceMetrics
+from scheduler_service.observe.metrics import ServiceMetrics
+from scheduler_service.observe.metrics_server import MetricsServer
 from tests.metrics_scrape import scrape, value
 from tests.scheduler_service.public_server_harness import FakeEngine, ServerThread, save_tiny_tokenizer
 from tests.services_harness import wait_until
