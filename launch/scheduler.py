@@ -73,10 +73,10 @@ async def run_scheduler_async(service: SchedulerServiceConfig, stop: asyncio.Eve
     # SIGINT (Ctrl-C) and SIGTERM both drain, from the first moment: before the server is up they end
     # start-up at once (a bare SIGTERM would kill the process and orphan `serve`'s worker).
     # The handlers stay until the loop closes: a signal while `serve` then stops its worker changes nothing.
-    return await _serve(service, _Signals(stop or asyncio.Event()), on_engine)
+    return await _serve_until_stopped(service, _Signals(stop or asyncio.Event()), on_engine)
 
 
-async def _serve(service: SchedulerServiceConfig, signals: _Signals,
+async def _serve_until_stopped(service: SchedulerServiceConfig, signals: _Signals,
                  on_engine: Callable[[AsyncEngine], None] | None) -> int:
     stopped = asyncio.create_task(signals.stop.wait())
     # Checks, the engine (not started yet) and the servers: quick, they do not wait for a worker.
