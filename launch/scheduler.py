@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from common.contract.config import ObservabilityConfig, PublicServerConfig, SchedulerConfig, WorkerLinkConfig
 from common.gc_pauses import freeze_startup_objects
-from common.net.ports import PUBLIC_PORT_IN_USE, check_port_free
+from common.net.ports import METRICS_PORT_IN_USE, PUBLIC_PORT_IN_USE, check_port_free
 from common.security.api_keys import ApiKeys
 from common.security.reloading_tls import check_readable
 from scheduler_service.api.public_server import PublicServer, build_public_server
@@ -30,8 +30,6 @@ from scheduler_service.observe.metrics import ServiceMetrics
 from scheduler_service.observe.metrics_server import MetricsServer
 
 logger = logging.getLogger(__name__)
-# A busy --metrics-port, found before anything starts (the flag named: the operator's fix).
-METRICS_FLAG_IN_USE = "metrics port {address} (--metrics-port) is in use by another process"
 STOPPED_AT_ONCE = 1  # the exit status after a second signal cut the drain short
 WORKER_RETRY_S = 1.0  # between describe calls while waiting for the worker
 
@@ -135,11 +133,11 @@ async def _start(service: SchedulerServiceConfig) -> tuple[AsyncEngine, PublicSe
     check_readable({"tls_cert": public.tls_cert, "tls_key": public.tls_key, "tls_client_ca": public.tls_client_ca})
     check_port_free(public.host, public.port, PUBLIC_PORT_IN_USE)
     if metrics_port:
-        check_port_free(public.host, metrics_port, METRICS_FLAG_IN_USE)
+        check_port_free(public.host, metrics_port, METRICS_PORT_IN_USE)
     # One lane per worker address: data parallelism, a block pool per worker.
     workers = [GrpcWorkerClient(address, service.link) for address in service.worker_addresses]
     metrics = ServiceMetrics(recording=bool(metrics_port))  # off: nobody could read them
-    engine = AsyncEngine.pending(service.scheduler, workers, observer=metrics)
+    engine = AsyncEngine.pending(service.scheduler, workers, observer=metrics if metrics.recording else None)
     metrics.set_load_source(lambda: LoadReport.of(engine.worker_stats()))
     try:
         server = build_public_server(engine, public.host, public.port, config=public, api_keys=api_keys,

@@ -30,9 +30,9 @@ from common.contract.config import (
     WorkerLinkConfig,
 )
 from common.contract.config_flags import to_argv
-from common.net.ports import PUBLIC_PORT_IN_USE, check_port_free, free_port
+from common.net.ports import METRICS_PORT_IN_USE, PUBLIC_PORT_IN_USE, check_port_free, free_port
 from common.security.worker_secret import SECRET_ENV, new_secret
-from launch.scheduler import METRICS_FLAG_IN_USE, STOPPED_AT_ONCE, SchedulerServiceConfig, run_scheduler_async
+from launch.scheduler import STOPPED_AT_ONCE, SchedulerServiceConfig, run_scheduler_async
 from scheduler_service.lanes.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ def run_serve(config: WorkerConfig, scheduler: SchedulerConfig, public: PublicSe
     """Runs a worker process with config and the scheduler with the rest until SIGTERM or SIGINT."""
     check_port_free(public.host, public.port, PUBLIC_PORT_IN_USE)  # before loading a model in the worker
     if observability.metrics_port:
-        check_port_free(public.host, observability.metrics_port, METRICS_FLAG_IN_USE)
+        check_port_free(public.host, observability.metrics_port, METRICS_PORT_IN_USE)
     port = free_port()
     link = WorkerLinkConfig(new_secret())  # the worker inherits it through its environment
     service = SchedulerServiceConfig(scheduler, public, link, (f"127.0.0.1:{port}",), observability,

@@ -54,8 +54,9 @@ class LLM:
                 raise ValueError("num_kv_blocks: the memory budget holds no KV block")
             reply = self.worker.init_cache(worker_pb2.InitCacheRequest(num_kv_blocks=describe.num_kv_blocks))
             self.tokenizer = load_tokenizer(model)
-            self.engine = EngineCore(self.scheduler_config, eos_token_ids(model, self.tokenizer))
-            self.engine.attach(WorkerDescription.from_proto(describe), reply.num_kv_blocks)
+            self.engine = EngineCore(self.scheduler_config)
+            self.engine.attach(WorkerDescription.from_proto(describe), reply.num_kv_blocks,
+                               eos_token_ids(model, self.tokenizer))
         except BaseException:
             self.close()
             raise
@@ -100,10 +101,10 @@ class LLM:
         for tokens in token_lists:  # all of them before any is queued
             engine.validate(tokens)
         sequences = [engine.add_request(t, p, self.tokenizer) for t, p in zip(token_lists, params_list, strict=True)]
-        progress = _Progress(sequences, use_tqdm, has_text=self.tokenizer is not None)
+        progress = _Progress(sequences, use_tqdm)
         _run_to_end(drive(engine, lambda step, ahead: _read_back(worker.launch(step.request)), progress.on_step))
         progress.bar.close()
-        return [_result(seq, "".join(progress.seq_id_to_texts[seq.seq_id])) for seq in sequences]
+        return [_result(seq, engine.text_of(seq)) for seq in sequences]
 
 
 async def _read_back(pending: PendingStep) -> worker_pb2.StepResponse:
@@ -120,25 +121,20 @@ def _run_to_end(coroutine: Coroutine[Any, Any, None]) -> None:
 
 
 class _Progress:
-    """Each request's text as it comes, and the tqdm bar: finished requests, and the prefill and
+    """The tqdm bar: finished requests, and the prefill and
     decode rates over the run so far: prompt tokens computed (prefix-cache hits aside, recomputed
     ones included) and tokens generated, each per second since generate() began."""
 
-    def __init__(self, sequences: list[Sequence], enabled: bool, has_text: bool,
+    def __init__(self, sequences: list[Sequence], enabled: bool,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.bar = tqdm(total=len(sequences), desc="Generating", dynamic_ncols=True, disable=not enabled)
         self.rates = {"prefill": "0tok/s", "decode": "0tok/s"}
         self.num_prefill_tokens = 0  # prompt tokens computed so far
         self.num_decode_tokens = 0  # tokens generated so far
-        self.seq_id_to_texts: dict[int, list[str]] = {seq.seq_id: [] for seq in sequences}
-        self._has_text = has_text
         self._clock = clock
         self._started = clock()
 
     def on_step(self, step: InFlightStep, outputs: list[RequestOutput], period_s: float | None) -> None:
-        if self._has_text:
-            for output in outputs:
-                self.seq_id_to_texts[output.seq_id].append(output.text)
         if self.bar.disable:  # counting a step's tokens costs ~0.2 ms at 256 sequences: not for a hidden bar
             return
         self.bar.update(sum(1 for output in outputs if output.finished))

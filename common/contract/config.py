@@ -1,4 +1,4 @@
-"""One frozen, validated configuration per service, plus the values learned at run time."""
+"""One frozen, validated configuration per service (what a worker turns out to serve: worker_description.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace

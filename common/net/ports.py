@@ -16,7 +16,7 @@ import grpc
 # What the operator reads when a port's address is taken ({address} as grpc_address writes it).
 PUBLIC_PORT_IN_USE = "public port {address} is in use by another process"
 WORKER_PORT_IN_USE = "cannot listen on {address}: Address already in use"
-METRICS_PORT_IN_USE = "metrics port {address} is in use by another process"
+METRICS_PORT_IN_USE = "metrics port {address} (--metrics-port) is in use by another process"
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
 

@@ -33,9 +33,8 @@ class EngineCore:
     """attach(worker) before the first request; detach() when the worker is lost (its sequences
     wait, reset, to be recomputed on the next attach)."""
 
-    def __init__(self, config: SchedulerConfig, extra_eos_token_ids: Iterable[int] = ()) -> None:
+    def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self._extra_eos_token_ids = frozenset(extra_eos_token_ids)
         self.served: WorkerDescription | None = None  # the last worker attached, as this core serves it
         self.eos_token_ids: frozenset[int] = frozenset()
         self._scheduler: Scheduler | None = None
@@ -46,9 +45,11 @@ class EngineCore:
 
     # Workers.
 
-    def attach(self, worker: WorkerDescription, num_kv_blocks: int) -> WorkerDescription:
-        """Serves a worker that claimed num_kv_blocks: a block pool of that size; the parked
-        sequences are queued first, in order. Returns what this lane serves."""
+    def attach(self, worker: WorkerDescription, num_kv_blocks: int,
+               extra_eos_token_ids: Iterable[int] = ()) -> WorkerDescription:
+        """Serves a worker that claimed num_kv_blocks: a block pool of that size, its EOS ids with
+        extra_eos_token_ids (the tokenizer's); the parked sequences are queued first, in order.
+        Returns what this lane serves."""
         config = self.config.within(worker.max_num_seqs, worker.max_num_batched_tokens)
         max_model_len = min(config.max_model_len or worker.max_model_len, worker.max_model_len)
         # A sequence must fit in the whole pool when it runs alone, or it could never finish.
@@ -56,7 +57,7 @@ class EngineCore:
         if capacity < max_model_len:
             logger.warning("the KV cache holds %d tokens, fewer than max_model_len %d: sequences are capped at %d",
                            capacity, max_model_len, capacity)
-        self.eos_token_ids = frozenset(worker.eos_token_ids) | self._extra_eos_token_ids
+        self.eos_token_ids = frozenset(worker.eos_token_ids) | frozenset(extra_eos_token_ids)
         self.served = dataclasses.replace(worker, num_kv_blocks=num_kv_blocks,
                                           max_model_len=min(max_model_len, capacity),
                                           eos_token_ids=tuple(sorted(self.eos_token_ids)))
@@ -128,14 +129,17 @@ class EngineCore:
         scheduler.add(seq)
         return seq
 
-    def abort(self, seq: Sequence) -> RequestOutput:
-        """Stops a sequence now (its blocks return to the pool, the worker forgets it next step);
-        returns its last output: the text held back so far."""
+    def abort(self, seq: Sequence) -> None:
+        """Stops a sequence now: its blocks return to the pool, the worker forgets it next step."""
         if not seq.is_finished:
             if seq in self._parked:
                 self._parked.remove(seq)
             self._end(seq, FinishReason.ABORTED)
-        return self._output(seq, [], finished=True)
+
+    @staticmethod
+    def text_of(seq: Sequence) -> str:
+        """A finished sequence's whole output text ("" without a tokenizer)."""
+        return seq.detokenizer.text if seq.detokenizer is not None else ""
 
     @property
     def num_unfinished(self) -> int:

@@ -65,7 +65,8 @@ class WorkerLane:
         self.worker = worker
         self.owner = owner
         self.observer = observer
-        self.core = EngineCore(config, extra_eos_token_ids)
+        self.extra_eos_token_ids = tuple(extra_eos_token_ids)  # the tokenizer's, added to each worker's
+        self.core = EngineCore(config)
         self._was_lost = False  # a worker answered before and then went away
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -91,7 +92,7 @@ class WorkerLane:
         """Starts the loop; extra_eos_token_ids, when given, replace those the lane was made with
         (known only now: the tokenizer's)."""
         if extra_eos_token_ids is not None:
-            self.core = EngineCore(self.config, extra_eos_token_ids)
+            self.extra_eos_token_ids = tuple(extra_eos_token_ids)
         self._task = asyncio.create_task(self._run(), name=f"lane-{self.worker.address}")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -100,11 +101,10 @@ class WorkerLane:
         self._wakeup.set()
         return seq
 
-    def abort(self, seq: Sequence) -> RequestOutput:
-        """Stops seq now; returns its last output."""
-        output = self.core.abort(seq)
+    def abort(self, seq: Sequence) -> None:
+        """Stops seq now."""
+        self.core.abort(seq)
         self._wakeup.set()  # so that the worker is told to release it even when idle
-        return output
 
     async def close(self) -> None:
         if self._task is not None:
@@ -161,7 +161,7 @@ class WorkerLane:
                 last_complaint = complaint
                 await asyncio.sleep(RECONNECT_DELAY_S)
         self._cancel_loss_timer()
-        served = self.core.attach(describe, reply.num_kv_blocks)
+        served = self.core.attach(describe, reply.num_kv_blocks, self.extra_eos_token_ids)
         if self._was_lost and self.observer is not None:
             self.observer.count_recovery()
         self._was_lost = False

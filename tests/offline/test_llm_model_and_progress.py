@@ -87,7 +87,7 @@ def _outputs(tokens_per_sequence: list[int], finished: int = 0) -> list[RequestO
 def test_progress_shows_the_rates_of_the_run_so_far() -> None:
     now = [100.0]
     sequences = [SimpleNamespace(seq_id=i) for i in range(2)]
-    progress = llm_module._Progress(sequences, enabled=True, has_text=True, clock=lambda: now[0])  # type: ignore
+    progress = llm_module._Progress(sequences, enabled=True, clock=lambda: now[0])  # type: ignore
     try:
         now[0] = 100.5  # a 0.5 s prefill of two prompts (300 tokens), each sampling its first token
         progress.on_step(_step([200, 100], []), _outputs([1, 1]), period_s=None)  # type: ignore[arg-type]
@@ -107,7 +107,7 @@ def test_progress_shows_the_rates_of_the_run_so_far() -> None:
 
 def test_progress_counts_prefill_chunks_of_running_sequences() -> None:
     now = [0.0]
-    progress = llm_module._Progress([SimpleNamespace(seq_id=0)], enabled=True, has_text=False,  # type: ignore
+    progress = llm_module._Progress([SimpleNamespace(seq_id=0)], enabled=True,  # type: ignore
                                     clock=lambda: now[0])
     try:
         now[0] = 2.0

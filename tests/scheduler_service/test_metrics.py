@@ -1,5 +1,5 @@
 """ServiceMetrics' own recording, read back over HTTP: the lock-free inter-token histogram's
-buckets, and engine counters carried across a lane's new engine core (a reconnected worker)."""
+buckets, each lane's counters added as differences, and the served model's label on every sample."""
 from __future__ import annotations
 
 from scheduler_service.core.outputs import EngineStats
@@ -54,6 +54,6 @@ def test_every_sample_is_labelled_with_the_served_model_once_known() -> None:
         after = scrape(server.port)
     finally:
         server.close()
-    assert all("model_name" not in labels for _, labels in before)
+    assert all("model_name" not in dict(labels) for _, labels in before)
     assert all(dict(labels).get("model_name") == "qwen3-0.6b" for _, labels in after)
     assert value(after, "nanovllm_request_success_total", finish_reason="length", model_name="qwen3-0.6b") == 1
