@@ -122,13 +122,14 @@ def test_ctrl_c_in_a_terminal_drains_the_stream_then_stops_the_worker(slow_model
     try:
         client.wait_ready(timeout=240)
         (worker,) = terminal.children()
-        stream = client.stream("The quick brown fox", temperature=0, max_tokens=120, ignore_eos=True)
+        # Long enough (seconds on this CPU) that the Ctrl-C typed after its first delta lands mid-stream.
+        stream = client.stream("The quick brown fox", temperature=0, max_tokens=600, ignore_eos=True)
         deltas = [next(stream)]
         terminal.type(CTRL_C)
         terminal.wait_for("draining", timeout=30)
         assert not gone(worker)  # the terminal's SIGINT did not reach it
         deltas += list(stream)  # raises unless the status is OK
-        assert sum(len(d.token_ids) for d in deltas) == 120
+        assert sum(len(d.token_ids) for d in deltas) == 600
         assert deltas[-1].finish_reason == "length"
         assert terminal.process.wait(timeout=60) == 0
         assert gone(worker)

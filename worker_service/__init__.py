@@ -1,3 +1,2 @@
 """The worker service: holds the model and its paged KV cache, runs the steps the scheduler sends.
-
-Rooms, top down: api/ > runtime/ > loader/ > models/ > layers/, attention/, sampling/ > parallel/."""
+Its rooms and their floors: README "Layout" (checked by tests/test_import_graph.py's LAYERS)."""

@@ -146,16 +146,15 @@ def test_a_busy_metrics_port_stops_start_up_at_once() -> None:
 
 
 class HeldWorker(ScriptedWorker):
-    """A scripted worker whose steps wait until released: a request stays running."""
+    """A scripted worker whose steps never return: a request stays running."""
 
     def __init__(self) -> None:
         super().__init__()
         self.stepping = asyncio.Event()
-        self.go = asyncio.Event()
 
     async def step(self, request, timeout_s=None):
         self.stepping.set()
-        await self.go.wait()
+        await asyncio.Event().wait()  # never set
         return await super().step(request, timeout_s)
 
 
