@@ -220,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     scheduler.add_argument("--worker", required=True,
                            help="worker address host:port (or unix:/path); several, comma-separated, for data "
                                 "parallelism (each its own KV block pool)")
-    add_link_flags(scheduler, prefix="worker-")
+    add_link_flags(scheduler, prefix="worker-", skip=("session_lease_s",))
 
     health = add_parser("health", "exit 0 if the server at --target reports SERVING")
     health.add_argument("--target", default=f"127.0.0.1:{PublicServerConfig.port}",

@@ -25,13 +25,13 @@ from scheduler_service.api.public_server import PublicServer, build_public_serve
 from scheduler_service.api.tokenizer import eos_token_ids, load_tokenizer
 from scheduler_service.lanes.async_engine import AsyncEngine
 from scheduler_service.lanes.worker_client import GrpcWorkerClient, WorkerClient
+from scheduler_service.lanes.worker_wait import until_answered
 from scheduler_service.observe.load_report import LoadReport
 from scheduler_service.observe.metrics import ServiceMetrics
 from scheduler_service.observe.metrics_server import MetricsServer
 
 logger = logging.getLogger(__name__)
 STOPPED_AT_ONCE = 1  # the exit status after a second signal cut the drain short
-WORKER_RETRY_S = 1.0  # between describe calls while waiting for the worker
 
 
 @dataclass(frozen=True)
@@ -172,19 +172,8 @@ async def _attach(service: SchedulerServiceConfig, engine: AsyncEngine) -> None:
 
 
 async def _worker_model_path(worker: WorkerClient) -> str:
-    """The worker's model path, for the tokenizer when --tokenizer is not given. The wait is logged
-    when it starts and when its reason changes, not at each retry."""
-    import grpc
-
-    last = None
-    while True:
-        try:
-            return (await worker.describe()).model_name
-        except grpc.aio.AioRpcError as error:
-            if error.code() != last:
-                logger.info("waiting for worker %s: %s", worker.address, error.code().name)
-                last = error.code()
-            await asyncio.sleep(WORKER_RETRY_S)
+    """The worker's model path, for the tokenizer when --tokenizer is not given."""
+    return (await until_answered(worker.address, worker.uses_tls, worker.describe)).model_name
 
 
 def run_scheduler(service: SchedulerServiceConfig) -> int:

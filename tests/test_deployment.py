@@ -178,7 +178,8 @@ def test_every_scheduler_checks_its_health_over_tls(compose: dict) -> None:
         assert test[:3] == ["CMD", "nanovllm", "health"], name
         assert flag(test, "--target") == "127.0.0.1:50051" and flag(test, "--ca-cert") == "/run/secrets/ca_cert", name
         assert flag(scheduler["command"], "--port") == "50051"
-        assert "--worker-takeover" in scheduler["command"], name  # a restarted scheduler takes its workers back
+        # A restarted scheduler attaches by the session lease; takeover would let a second live one in.
+        assert "--worker-takeover" not in scheduler["command"], name
     for name, service in compose["services"].items():
         if service.get("command", [])[:1] == ["worker"]:
             assert service["healthcheck"]["test"][:3] == ["CMD", "nanovllm", "health"], name

@@ -49,12 +49,17 @@ class SchedulerConfig:
                                    "iteration of the last steps (0: exactly --num-decode-steps)", min=0.0, max=1000.0)
     worker_timeout_s: float = option(60.0, "seconds a lost worker's requests wait for it to answer again "
                                      "(then UNAVAILABLE)", flag="worker-timeout")
-    # Generous: a slow CPU worker must never hit it.
-    step_timeout_base_s: float = option(60.0, "every Step's deadline: this many seconds plus --step-timeout-per-token "
-                                        "per token it computes (and per token of the step ahead of it)",
+    # Heartbeats are answered by the worker's event loop, never behind model work: a busy worker answers them.
+    worker_liveness_s: float = option(5.0, "a worker that answers no heartbeat for this many seconds (a frozen or "
+                                      "unreachable process) counts as lost", flag="worker-liveness-timeout",
+                                      min=0.5)
+    # Catches a worker whose process answers but whose model work hangs; generous, as a slow CPU worker must
+    # never hit it (lanes/step_deadline.py).
+    step_timeout_base_s: float = option(20.0, "every Step's deadline: at least this many seconds, plus 10 times "
+                                        "what its tokens took at the slowest rate measured lately",
                                         flag="step-timeout")
-    step_timeout_per_token_s: float = option(0.05, "seconds of a Step's deadline per token",
-                                             flag="step-timeout-per-token")
+    step_timeout_per_token_s: float = option(0.05, "seconds per token of a Step's deadline before any step was "
+                                             "measured", flag="step-timeout-per-token")
 
     def within(self, max_num_seqs: int, max_num_batched_tokens: int) -> SchedulerConfig:
         """This config with its step limits lowered to a worker's (0: the worker sets none), so that no
@@ -177,10 +182,14 @@ class WorkerLinkConfig:
     tls_key: str = option("", "PEM private key of that certificate")
     # The worker's flag, --tls-client-ca, has its own help (launch/cli.py): there it requires client certificates.
     tls_ca: str = option("", "PEM CA that signs the workers' certificates: dial them over TLS (not given: plaintext)")
-    takeover: bool = option(False, "take the workers over from a scheduler session that holds them (one that "
-                            "stopped); without it a held worker is refused")
+    takeover: bool = option(False, "take the workers over even from a live scheduler session; without it a "
+                            "worker whose session's lease has not run out is refused")
+    # The worker's side; a scheduler calls at least every second (its heartbeat, lanes/liveness.py).
+    session_lease_s: float = option(5.0, "seconds a scheduler session holds the worker after its last call; then "
+                                    "another scheduler may claim it", flag="session-lease", min=1.0)
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         _require(bool(self.secret), "worker_secret", "must not be empty")
         _require(bool(self.tls_cert) == bool(self.tls_key), "tls_cert and tls_key", "give both or neither")
 

@@ -1,10 +1,10 @@
 """How the scheduler talks to a worker: an async interface and its gRPC implementation.
 
 The gRPC client owns one scheduler session on its worker: a random id, fixed for the client's
-life, claimed by init_cache and named by every step and release; the shared secret goes with
-every call. With link.takeover, the first successful claim replaces whichever session held the worker
-(a scheduler that replaces a stopped one); later claims never do, so that two schedulers that
-both lost the worker cannot take it from each other in a loop.
+life, claimed by init_cache, named by every step, release and heartbeat (which renew its lease on
+the worker) and ended by end_session; the shared secret goes with every call. With link.takeover,
+the first successful claim replaces whichever session held the worker, even a live one; later claims
+never do, so that two schedulers that both lost the worker cannot take it from each other in a loop.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ class WorkerClient(Protocol):
     """One worker (or one tensor-parallel group, through its rank 0)."""
 
     address: str
+    uses_tls: bool
 
     async def describe(self) -> worker_pb2.DescribeResponse: ...
 
@@ -38,6 +39,12 @@ class WorkerClient(Protocol):
 
     async def release(self, seq_ids: list[int]) -> None: ...
 
+    async def heartbeat(self, timeout_s: float) -> None:
+        """Renews the session's lease; raises ABORTED when the worker does not hold it."""
+
+    async def end_session(self) -> None:
+        """Frees the worker for the next scheduler (no-op unless this client claimed it)."""
+
     async def close(self) -> None: ...
 
 
@@ -47,14 +54,16 @@ class GrpcWorkerClient:
 
     def __init__(self, address: str, link: WorkerLinkConfig, describe_timeout_s: float = 10.0) -> None:
         self.address = address
+        self.uses_tls = link.uses_tls
         self.describe_timeout_s = describe_timeout_s
         self.session_id = secrets.token_hex(16)
         self._may_take_over = link.takeover
+        self._claimed = False
         self._metadata = secret_metadata(link.secret)
         # While the worker is away the channel retries its connection with growing pauses (gRPC's default
         # grows to minutes): capped at a second, so that a worker that comes back is served within one.
         options = [*channel_options(), *RECONNECT_BACKOFF_OPTIONS]
-        if link.uses_tls:
+        if self.uses_tls:
             credentials = channel_credentials(link.tls_ca, link.tls_cert, link.tls_key)
             self._channel = grpc.aio.secure_channel(address, credentials, options=options)
         else:
@@ -71,6 +80,7 @@ class GrpcWorkerClient:
         # Allocating a large cache can take a while on a busy GPU.
         reply = await self._stub.InitCache(request, timeout=300, metadata=self._metadata)
         self._may_take_over = False
+        self._claimed = True
         return reply
 
     async def step(self, request: worker_pb2.StepRequest, timeout_s: float | None = None) -> worker_pb2.StepResponse:
@@ -80,6 +90,16 @@ class GrpcWorkerClient:
     async def release(self, seq_ids: list[int]) -> None:
         await self._stub.Release(worker_pb2.ReleaseRequest(seq_ids=seq_ids, session_id=self.session_id), timeout=30,
                                  metadata=self._metadata)
+
+    async def heartbeat(self, timeout_s: float) -> None:
+        await self._stub.Heartbeat(worker_pb2.HeartbeatRequest(session_id=self.session_id), timeout=timeout_s,
+                                   metadata=self._metadata)
+
+    async def end_session(self) -> None:
+        if self._claimed:
+            self._claimed = False
+            await self._stub.EndSession(worker_pb2.EndSessionRequest(session_id=self.session_id), timeout=5,
+                                        metadata=self._metadata)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -3,7 +3,8 @@ scheduler service runs one lane per worker address: data parallelism routes each
 and the lane is the only way to its core.
 
 The loop keeps one step in flight ahead (step N+1 is on the wire before step N's tokens return).
-Worker faults are classified (lanes/worker_faults.py): a lost worker or session is reconnected by
+While the worker is attached, heartbeats watch it apart from the steps (lanes/liveness.py): a worker
+that answers none within --worker-liveness-timeout counts as lost. Worker faults are classified (lanes/worker_faults.py): a lost worker or session is reconnected by
 itself and its unfinished sequences are recomputed from the tokens the scheduler holds once it
 answers again, so no request is lost, unless none answers within the worker timeout: then they end
 with UNAVAILABLE. A protocol error fails only the requests of its step; the others are recomputed on
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -21,6 +23,7 @@ import grpc
 from common.contract.config import SchedulerConfig
 from common.contract.sampling_params import SamplingParams
 from common.contract.worker_description import WorkerDescription
+from common.generated.nanovllm.worker.v1 import worker_pb2
 from scheduler_service.core.detokenizer import TokenDecoder
 from scheduler_service.core.engine_core import EngineCore
 from scheduler_service.core.errors import WorkerLostError, WorkerStepError
@@ -28,8 +31,11 @@ from scheduler_service.core.outputs import EngineStats, RequestOutput
 from scheduler_service.core.sequence import Sequence
 from scheduler_service.core.step_builder import InFlightStep
 from scheduler_service.core.step_loop import drive
+from scheduler_service.lanes.liveness import watch_liveness
+from scheduler_service.lanes.step_deadline import StepDeadlines
 from scheduler_service.lanes.worker_client import WorkerClient
 from scheduler_service.lanes.worker_faults import StepFailedError, WorkerFault, classify
+from scheduler_service.lanes.worker_wait import until_answered
 
 logger = logging.getLogger(__name__)
 RECONNECT_DELAY_S = 1.0
@@ -71,6 +77,7 @@ class WorkerLane:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._loss_timer: asyncio.TimerHandle | None = None
+        self._deadlines = StepDeadlines(config.step_timeout_base_s, config.step_timeout_per_token_s)
 
     @property
     def is_ready(self) -> bool:
@@ -107,17 +114,23 @@ class WorkerLane:
         self._wakeup.set()  # so that the worker is told to release it even when idle
 
     async def close(self) -> None:
+        """Stops the loop and ends the session on the worker, so that the next scheduler claims it at once."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         self._cancel_loss_timer()
+        try:
+            await self.worker.end_session()
+        except grpc.aio.AioRpcError as error:  # gone already: its lease runs out by itself
+            logger.info("worker %s: the session could not be ended (%s); it lapses after the worker's lease",
+                        self.worker.address, _describe(error))
         await self.worker.close()
 
     async def _run(self) -> None:
         while True:
             try:
                 await self._connect()
-                await self._drive()
+                await self._serve_attached()
             except Exception as error:
                 self._on_worker_lost()
                 if self._handle_fault(error):
@@ -143,25 +156,16 @@ class WorkerLane:
                        fault.value, _describe(error))
         return True
 
+    async def _claim(self) -> tuple[WorkerDescription, int]:
+        """Describes the worker and claims it; returns what it serves and the KV blocks it allocated."""
+        describe = WorkerDescription.from_proto(await self.worker.describe())
+        reply = await self.worker.init_cache(describe.num_kv_blocks)
+        return describe, reply.num_kv_blocks
+
     async def _connect(self) -> None:
-        last_complaint = None  # logged when it changes (the first wait, another error), not each retry
-        while True:
-            try:
-                describe = WorkerDescription.from_proto(await self.worker.describe())
-                reply = await self.worker.init_cache(describe.num_kv_blocks)
-                break
-            except grpc.aio.AioRpcError as error:
-                waiting = error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-                complaint = error.code().name if waiting else _describe(error)
-                if complaint != last_complaint:
-                    if waiting:
-                        logger.info("waiting for worker %s: %s", self.worker.address, complaint)
-                    else:  # a refused claim or secret
-                        logger.error("worker %s refused us: %s; retrying", self.worker.address, complaint)
-                last_complaint = complaint
-                await asyncio.sleep(RECONNECT_DELAY_S)
+        describe, num_kv_blocks = await until_answered(self.worker.address, self.worker.uses_tls, self._claim)
         self._cancel_loss_timer()
-        served = self.core.attach(describe, reply.num_kv_blocks, self.extra_eos_token_ids)
+        served = self.core.attach(describe, num_kv_blocks, self.extra_eos_token_ids)
         if self._was_lost and self.observer is not None:
             self.observer.count_recovery()
         self._was_lost = False
@@ -194,11 +198,15 @@ class WorkerLane:
             self._loss_timer = None
 
     def _launch(self, step: InFlightStep, ahead: InFlightStep | None) -> asyncio.Task:
-        # A generous deadline: the base plus per-token time for this step and the one ahead of
-        # it, which the worker finishes first.
+        # The worker finishes the step ahead first: its tokens count towards this step's deadline.
         num_tokens = step.num_tokens + (ahead.num_tokens if ahead is not None else 0)
-        timeout_s = self.config.step_timeout_base_s + self.config.step_timeout_per_token_s * num_tokens
-        return asyncio.create_task(self.worker.step(step.request, timeout_s))
+        return asyncio.create_task(self._timed_step(step, num_tokens))
+
+    async def _timed_step(self, step: InFlightStep, num_tokens: int) -> worker_pb2.StepResponse:
+        started = time.perf_counter()
+        reply = await self.worker.step(step.request, self._deadlines.timeout_s(num_tokens))
+        self._deadlines.observe(num_tokens, time.perf_counter() - started)
+        return reply
 
     def _after_step(self, step: InFlightStep, outputs: list[RequestOutput], period_s: float | None) -> None:
         self.owner.deliver(outputs)
@@ -218,6 +226,19 @@ class WorkerLane:
                                               "scheduler log"), [seq.seq_id for seq in failed])
         raise StepFailedError from error
 
+    async def _serve_attached(self) -> None:
+        """Drives steps while heartbeats say the worker lives; raises what ended either."""
+        driving = asyncio.create_task(self._drive(), name=f"steps-{self.worker.address}")
+        watching = asyncio.create_task(watch_liveness(self.worker, self.config.worker_liveness_s),
+                                       name=f"liveness-{self.worker.address}")
+        try:
+            done, _ = await asyncio.wait((driving, watching), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            driving.cancel()
+            watching.cancel()
+            await asyncio.gather(driving, watching, return_exceptions=True)
+        done.pop().result()  # neither ends but by raising
+
     async def _drive(self) -> None:
         core = self.core
         while True:
@@ -234,4 +255,4 @@ def _describe(error: BaseException) -> str:
     """A short description of a worker call's failure, for the log."""
     if isinstance(error, grpc.aio.AioRpcError):
         return f"{error.code().name}: {error.details()}"
-    return repr(error)
+    return str(error) or repr(error)

@@ -26,6 +26,7 @@ class ScriptedWorker:
     """Speaks the Step protocol like a worker, sampling next_token(history)."""
 
     address = "scripted"
+    uses_tls = False
 
     def __init__(self, num_kv_blocks: int = 64) -> None:
         self.num_kv_blocks = num_kv_blocks
@@ -78,6 +79,12 @@ class ScriptedWorker:
     async def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
             self.histories.pop(seq_id, None)
+
+    async def heartbeat(self, timeout_s: float) -> None:
+        await asyncio.sleep(0)
+
+    async def end_session(self) -> None:
+        pass
 
     async def close(self) -> None:
         pass

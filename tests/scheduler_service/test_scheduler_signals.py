@@ -23,7 +23,7 @@ from common.generated.nanovllm.worker.v1 import worker_pb2
 from common.security.worker_secret import SECRET_ENV
 from launch import scheduler as scheduler_main
 from scheduler_service.core.errors import EngineUnavailableError
-from scheduler_service.lanes import worker_lane
+from scheduler_service.lanes import worker_wait
 from scheduler_service.lanes.async_engine import DRAIN_CUT, GRACE_ENDED, AsyncEngine
 from tests.scheduler_service.test_async_engine import ScriptedWorker
 from tests.services_harness import REPO_ROOT, WORKER_SECRET, free_port, run_cli
@@ -109,7 +109,7 @@ def waits_logged(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 def test_the_lane_logs_its_wait_on_change(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(worker_lane, "RECONNECT_DELAY_S", 0)
+    monkeypatch.setattr(worker_wait, "RETRY_S", 0)
     caplog.set_level(logging.INFO)
     worker = FailingDescribes(CODES)
 
@@ -125,7 +125,7 @@ def test_the_lane_logs_its_wait_on_change(monkeypatch: pytest.MonkeyPatch, caplo
 
 
 def test_the_tokenizer_wait_logs_on_change(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(scheduler_main, "WORKER_RETRY_S", 0)
+    monkeypatch.setattr(worker_wait, "RETRY_S", 0)
     caplog.set_level(logging.INFO)
     worker = FailingDescribes(CODES)
     assert asyncio.run(asyncio.wait_for(scheduler_main._worker_model_path(worker), 30)) == "scripted"

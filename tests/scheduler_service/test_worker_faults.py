@@ -116,6 +116,12 @@ class ScriptedServicer(worker_pb2_grpc.WorkerServicer):
         await self.worker.release(list(request.seq_ids))
         return worker_pb2.ReleaseResponse()
 
+    async def Heartbeat(self, request, context):  # noqa: N802
+        return worker_pb2.HeartbeatResponse()
+
+    async def EndSession(self, request, context):  # noqa: N802
+        return worker_pb2.EndSessionResponse()
+
 
 def test_a_step_that_never_returns_hits_its_deadline_and_is_recomputed() -> None:
     async def scenario() -> None:
@@ -212,6 +218,12 @@ class GatedServicer(worker_pb2_grpc.WorkerServicer):
     async def Release(self, request, context):  # noqa: N802
         await self.worker.release(list(request.seq_ids))
         return worker_pb2.ReleaseResponse()
+
+    async def Heartbeat(self, request, context):  # noqa: N802
+        return worker_pb2.HeartbeatResponse()
+
+    async def EndSession(self, request, context):  # noqa: N802
+        return worker_pb2.EndSessionResponse()
 
 
 class RecordingClient(GrpcWorkerClient):

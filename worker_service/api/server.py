@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -46,13 +47,18 @@ def model_thread() -> ThreadPoolExecutor:
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Serves one scheduler session at a time: InitCache claims the worker for a session id, and
-    Step and Release name it. A call from any other session is refused before it touches anything.
-    Model work runs on model_thread, the thread that loaded the model."""
+    Step, Release, Heartbeat and EndSession name it. A call from any other session is refused before
+    it touches anything. The session is a lease: every call of its scheduler renews it, and once
+    none came for lease_s seconds (the scheduler vanished) another session may claim the worker
+    without takeover. Model work runs on model_thread, the thread that loaded the model."""
 
-    def __init__(self, core: WorkerCore | TensorParallelCore, model_thread: ThreadPoolExecutor) -> None:
+    def __init__(self, core: WorkerCore | TensorParallelCore, model_thread: ThreadPoolExecutor,
+                 lease_s: float) -> None:
         self.core = core
+        self.lease_s = lease_s
         self._turn = asyncio.Condition()
         self._session_id: str | None = None
+        self._heard_at = 0.0  # when the session's scheduler last called (time.monotonic)
         # Counts claims: a step that waited for its turn across a claim (even its own session's,
         # which restarts step ids at 1) belongs to state that is gone and must not run.
         self._num_claims = 0
@@ -62,16 +68,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return await asyncio.get_running_loop().run_in_executor(self._model_thread, function, *args)
 
     def _check_session(self, session_id: str) -> None:
+        """Raises SessionLostError unless the worker holds session_id, whose lease it then renews."""
         if not session_id or session_id != self._session_id:
             raise SessionLostError("session: this worker does not hold the caller's session (another scheduler "
-                                   "took it over, or the worker restarted); its state here is gone")
+                                   "claimed it, or the worker restarted); its state here is gone")
+        self._heard_at = time.monotonic()
 
     def _check_claim(self, request: worker_pb2.InitCacheRequest) -> None:
         if not request.session_id:
             raise ValueError("session_id: required")
-        if self._session_id not in (None, request.session_id) and not request.takeover:
-            raise ClaimRefusedError("worker: already serves another scheduler session; a scheduler that replaces "
-                                    "a stopped one takes over with --worker-takeover")
+        if self._session_id in (None, request.session_id) or request.takeover:
+            return
+        silent_s = time.monotonic() - self._heard_at
+        if silent_s < self.lease_s:
+            raise ClaimRefusedError(f"worker: serves another scheduler session, heard from {silent_s:.1f} s ago "
+                                    f"(its lease: {self.lease_s:g} s without a call); --worker-takeover takes a live "
+                                    "session's worker")
 
     async def Describe(self, request, context):  # noqa: N802 (gRPC method names)
         return self.core.describe()
@@ -84,8 +96,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             # the worker is then untouched.
             reply = await self._on_model_thread(self.core.init_cache, request)
             if self._session_id not in (None, request.session_id):
-                logger.warning("a new scheduler session took the worker over; the previous one's state is dropped")
+                how = "took the worker over" if request.takeover else "claimed the worker after the previous " \
+                    f"session's lease ({self.lease_s:g} s) ran out"
+                logger.warning("a new scheduler session %s; the previous one's state is dropped", how)
             self._session_id = request.session_id
+            self._heard_at = time.monotonic()
             self._num_claims += 1
             self._turn.notify_all()  # steps of a replaced session waiting for their turn fail now
             return reply
@@ -110,7 +125,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._check_session(request.session_id)
         async with self._turn:
             self._check_session(request.session_id)
-            return self.core.release(request)
+            # On the model thread: the core's lock may be held by a step being launched, and the event
+            # loop must never wait for it (heartbeats are answered there).
+            return await self._on_model_thread(self.core.release, request)
+
+    async def Heartbeat(self, request, context):  # noqa: N802
+        # Answered on the event loop, never behind model work: a busy worker still answers at once.
+        self._check_session(request.session_id)
+        return worker_pb2.HeartbeatResponse()
+
+    async def EndSession(self, request, context):  # noqa: N802
+        self._check_session(request.session_id)
+        async with self._turn:
+            self._check_session(request.session_id)
+            # The next claim, by any session, starts the worker over (InitCache forgets every sequence).
+            self._session_id = None
+            self._num_claims += 1
+            self._turn.notify_all()
+        logger.info("the scheduler session ended; the worker is free for the next scheduler")
+        return worker_pb2.EndSessionResponse()
 
 
 def server_credentials_for(link: WorkerLinkConfig) -> grpc.ServerCredentials | None:
@@ -128,7 +161,7 @@ async def serve_worker(core: WorkerCore | TensorParallelCore, model_thread: Thre
     address is taken (SO_REUSEPORT is off, so a second worker cannot share a port)."""
     credentials = server_credentials_for(link)
     server = new_server(STATUSES, BearerTokenInterceptor(accepts_secret(link.secret), SECRET_REFUSAL))
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(core, model_thread), server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(core, model_thread, link.session_lease_s), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = listen(server, host, port, credentials, WORKER_PORT_IN_USE)

@@ -59,6 +59,16 @@ class WorkerStub:
                 request_serializer=common_dot_generated_dot_nanovllm_dot_worker_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=common_dot_generated_dot_nanovllm_dot_worker_dot_v1_dot_worker__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/nanovllm.worker.v1.Worker/Heartbeat',
+                request_serializer=common_dot_generated_dot_nanovllm_dot_worker_dot_v1_dot_worker__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=common_dot_generated_dot_nanovllm_dot_worker_dot_v1_dot_worker__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
+        self.EndSession = channel.unary_unary(
+                '/nanovllm.worker.v1.Worker/EndSession',
+                request_serializer=common_dot_generated_dot_nanovllm_dot_worker_dot_v1_dot_worker__pb2.EndSessionRequest.SerializeToString,
+                response_deserializer=common_dot_generated_dot_nanovllm_dot_worker_dot_v1_dot_worker__pb2.EndSessionResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -97,6 +107,20 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Heartbeat(self, request, context):
+        """Renews the session's lease; ABORTED when the worker does not hold the session.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EndSession(self, request, context):
+        """Ends the session (ABORTED when the worker does not hold it): the worker is free for any claim.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -119,6 +143,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=common_dot_generated_dot_nanovllm_dot_worker_dot_v1_dot_worker__pb2.ReleaseRequest.FromString,
                     response_serializer=common_dot_generated_dot_nanovllm_dot_worker_dot_v1_dot_worker__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=common_dot_generated_dot_nanovllm_dot_worker_dot_v1_dot_worker__pb2.HeartbeatRequest.FromString,
+                    response_serializer=common_dot_generated_dot_nanovllm_dot_worker_dot_v1_dot_worker__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'EndSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndSession,
+                    request_deserializer=common_dot_generated_dot_nanovllm_dot_worker_dot_v1_dot_worker__pb2.EndSessionRequest.FromString,
+                    response_serializer=common_dot_generated_dot_nanovllm_dot_worker_dot_v1_dot_worker__pb2.EndSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -234,6 +268,60 @@ class Worker:
             '/nanovllm.worker.v1.Worker/Release',
             common_dot_generated_dot_nanovllm_dot_worker_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
             common_dot_generated_dot_nanovllm_dot_worker_dot_v1_dot_worker__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nanovllm.worker.v1.Worker/Heartbeat',
+            common_dot_generated_dot_nanovllm_dot_worker_dot_v1_dot_worker__pb2.HeartbeatRequest.SerializeToString,
+            common_dot_generated_dot_nanovllm_dot_worker_dot_v1_dot_worker__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nanovllm.worker.v1.Worker/EndSession',
+            common_dot_generated_dot_nanovllm_dot_worker_dot_v1_dot_worker__pb2.EndSessionRequest.SerializeToString,
+            common_dot_generated_dot_nanovllm_dot_worker_dot_v1_dot_worker__pb2.EndSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
