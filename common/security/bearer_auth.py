@@ -4,17 +4,25 @@ One interceptor, two sources of accepted tokens: the public port's API keys
 (common.security.api_keys.ApiKeys.accepts) and the worker port's shared secret
 (common.security.worker_secret.accepts_secret). It runs first: a refused call gets UNAUTHENTICATED
 from a handler without a request deserializer, so its body is never parsed and it has no effect.
+It also refuses metadata gRPC does not allow (common.security.metadata_check): an `authorization`
+value that is not printable ASCII (a valid key followed by a 0xff byte, a NUL, CR LF) is refused
+like a wrong one, with one DEBUG line that never holds the value.
 """
 from __future__ import annotations
 
 import hmac
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import grpc
 
 from common.net.error_mapping import Continuation, is_health_check
+from common.security.metadata_check import (
+    illegal_metadata_refusal,
+    is_printable_ascii,
+    method_name,
+    refusing_handler,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,31 +49,34 @@ def is_bearer_of(authorization: str | None, keys: Iterable[bytes]) -> bool:
     return matched and scheme.lower() == "bearer"
 
 
-def _refusing_handler(handler: grpc.RpcMethodHandler | None, refusal: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` (unary for an unknown method) that ends the call with
-    UNAUTHENTICATED."""
-    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, refusal)
-
-    for kind in ("unary_stream", "stream_unary", "stream_stream"):
-        if handler is not None and getattr(handler, kind) is not None:
-            return getattr(grpc, f"{kind}_rpc_method_handler")(refuse)
-    return grpc.unary_unary_rpc_method_handler(refuse)
-
-
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuses every call but health checks (UNAUTHENTICATED, `refusal` its message) unless
-    `accepts` takes its `authorization` value."""
+    `accepts` takes its `authorization` value, and any call whose `authorization` value is not
+    printable ASCII (health checks too: gRPC allows no other). A call it lets through with another
+    illegal metadata value gets INVALID_ARGUMENT (common.security.metadata_check).
 
-    def __init__(self, accepts: Callable[[str | None], bool], refusal: str) -> None:
+    `on_refused`, when given, is called once per UNAUTHENTICATED refusal (the public port counts
+    them in its metrics); this module knows nothing of either service."""
+
+    def __init__(self, accepts: Callable[[str | None], bool], refusal: str,
+                 on_refused: Callable[[], None] | None = None) -> None:
         self.accepts = accepts
         self.refusal = refusal
+        self.on_refused = on_refused
 
     async def intercept_service(self, continuation: Continuation,
                                 handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if is_health_check(method) or self.accepts(authorization_of(handler_call_details.invocation_metadata)):
-            return handler
-        logger.debug("%s: UNAUTHENTICATED", method)  # never the token itself
-        return _refusing_handler(handler, self.refusal)
+        authorization = authorization_of(handler_call_details.invocation_metadata)
+        method = method_name(handler, handler_call_details.method)
+        if authorization is not None and not is_printable_ascii(authorization):
+            return self._refuse(handler, method, " (its authorization value is not printable ASCII)")
+        if not is_health_check(handler_call_details.method) and not self.accepts(authorization):
+            return self._refuse(handler, method, "")
+        return illegal_metadata_refusal(handler, handler_call_details) or handler
+
+    def _refuse(self, handler: grpc.RpcMethodHandler | None, method: str, reason: str) -> grpc.RpcMethodHandler:
+        logger.debug("%s: UNAUTHENTICATED%s", method, reason)  # never the token itself
+        if self.on_refused is not None:
+            self.on_refused()
+        return refusing_handler(handler, grpc.StatusCode.UNAUTHENTICATED, self.refusal)

@@ -1,7 +1,8 @@
 """What a failed worker call means for the requests on that worker.
 
 - LOST: the transport failed (UNAVAILABLE, connection reset, a deadline passed, no heartbeat
-  answered, the worker no longer knows our secret). The worker's state is unknown: recompute every request once one answers.
+  answered, the worker no longer knows our secret). The worker's state is unknown: recompute
+  every request once one answers.
 - SESSION_LOST: the worker answered ABORTED: it no longer holds our session (another scheduler
   took it over, or it restarted). Same recovery as LOST; the reclaim never takes over.
 - PROTOCOL: the worker refused or failed this one call (INVALID_ARGUMENT, FAILED_PRECONDITION,

@@ -4,11 +4,12 @@ and the lane is the only way to its core.
 
 The loop keeps one step in flight ahead (step N+1 is on the wire before step N's tokens return).
 While the worker is attached, heartbeats watch it apart from the steps (lanes/liveness.py): a worker
-that answers none within --worker-liveness-timeout counts as lost. Worker faults are classified (lanes/worker_faults.py): a lost worker or session is reconnected by
-itself and its unfinished sequences are recomputed from the tokens the scheduler holds once it
-answers again, so no request is lost, unless none answers within the worker timeout: then they end
-with UNAVAILABLE. A protocol error fails only the requests of its step; the others are recomputed on
-a fresh claim, since the worker's state can no longer be trusted.
+that answers none within --worker-liveness-timeout counts as lost. Worker faults are classified
+(lanes/worker_faults.py): a lost worker or session is reconnected by itself and its unfinished
+sequences are recomputed from the tokens the scheduler holds once it answers again, so no request
+is lost, unless none answers within the worker timeout: then they end with UNAVAILABLE. A protocol
+error fails only the requests of its step; the others are recomputed on a fresh claim, since the
+worker's state can no longer be trusted.
 """
 from __future__ import annotations
 
