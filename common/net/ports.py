@@ -10,6 +10,7 @@ import errno
 import functools
 import logging
 import socket
+from collections.abc import Callable
 
 import grpc
 
@@ -84,16 +85,20 @@ def check_port_free(host: str, port: int, in_use: str) -> None:
                     raise PortInUseError(in_use.format(address=grpc_address(host, port))) from error
 
 
-def listen(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None,
-           in_use: str) -> int:
+def listen(server: grpc.aio.Server, host: str, port: int,
+           credentials: grpc.ServerCredentials | Callable[[], grpc.ServerCredentials] | None, in_use: str) -> int:
     """Binds server to host:port (or the unix socket path host), over TLS unless credentials is None;
     a loopback host on both loopbacks (listen_hosts). Returns the bound port. Raises PortInUseError
-    (in_use, naming host:port as given) when the address is taken or not this host's."""
+    (in_use, naming host:port as given) when the address is taken or not this host's.
+
+    `credentials` may be a function that makes them, called once per address: reloading credentials
+    (common.security.reloading_tls) serve one address each."""
     check_port_free(host, port, in_use)
 
     def bind(address: str) -> int:
-        return (server.add_secure_port(address, credentials) if credentials is not None
-                else server.add_insecure_port(address))
+        if credentials is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, credentials() if callable(credentials) else credentials)
 
     first, *others = listen_hosts(host)
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -264,8 +264,9 @@ def build_public_server(engine: Engine, host: str, port: int, *,
     if config.reflection:
         reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server,
                                             pool=public_descriptor_pool())
-    credentials = None
+    credentials: Callable[[], grpc.ServerCredentials] | None = None
     if config.tls_cert is not None and config.tls_key is not None:
-        credentials = ReloadingCertificates(config.tls_cert, config.tls_key, config.tls_client_ca).server_credentials()
+        # One set of credentials per address bound (a loopback host is bound twice): a function, not an object.
+        credentials = ReloadingCertificates(config.tls_cert, config.tls_key, config.tls_client_ca).server_credentials
     bound_port = listen(server, host, port, credentials, PUBLIC_PORT_IN_USE)
     return PublicServer(server, bound_port, engine, servicer, health_servicer, readiness_poll_s)
