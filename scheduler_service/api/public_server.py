@@ -26,9 +26,12 @@ from common.net.ports import PUBLIC_PORT_IN_USE, listen
 from common.net.ports import PortInUseError as PortInUseError  # what build_public_server raises
 from common.security.api_keys import API_KEY_REFUSAL, ApiKeys
 from common.security.bearer_auth import BearerTokenInterceptor
+from common.security.grpc_logs import install_grpc_log_filter
+from common.security.metadata_check import MetadataCheckInterceptor
 from common.security.reloading_tls import ReloadingCertificates
 from scheduler_service.api import request_conversion as convert
 from scheduler_service.api.reflection_pool import public_descriptor_pool
+from scheduler_service.api.refused_calls import DEFAULT_INTERVAL_S, RefusedCalls
 from scheduler_service.api.request_record import RequestRecord
 from scheduler_service.api.response_conversion import (
     ResponseAccumulator,
@@ -177,13 +180,15 @@ class PublicServer:
     """
 
     def __init__(self, server: grpc.aio.Server, port: int, engine: Engine, servicer: TextGenerationServicer,
-                 health_servicer: health.aio.HealthServicer, readiness_poll_s: float) -> None:
+                 health_servicer: health.aio.HealthServicer, readiness_poll_s: float,
+                 refused_calls: RefusedCalls | None = None) -> None:
         self.server = server
         self.port = port
         self.engine = engine
         self.servicer = servicer
         self.health = health_servicer
         self.readiness_poll_s = readiness_poll_s
+        self.refused_calls = refused_calls  # with API keys: the refusals counted and summarised
         self._watch_task: asyncio.Task[None] | None = None
         self._draining = False
 
@@ -211,6 +216,8 @@ class PublicServer:
             self._watch_task.cancel()
         await self.server.stop(grace)
         self.servicer.close()
+        if self.refused_calls is not None:
+            self.refused_calls.flush()
 
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()
@@ -245,19 +252,27 @@ PENDING_CALL_OPTIONS = {"grpc.server.max_pending_requests": MAX_PENDING_CALLS,
 def build_public_server(engine: Engine, host: str, port: int, *,
                         max_message_bytes: int = grpc_options.MAX_MESSAGE_BYTES,
                         readiness_poll_s: float = 0.5, config: PublicServerConfig | None = None,
-                        api_keys: ApiKeys | None = None, metrics: ServiceMetrics | None = None) -> PublicServer:
+                        api_keys: ApiKeys | None = None, metrics: ServiceMetrics | None = None,
+                        refused_log_interval_s: float = DEFAULT_INTERVAL_S) -> PublicServer:
     """Builds the server and binds host:port (port 0 picks a free one); call `await start()`.
 
     `config` adds TLS, reflection and the admission limit (its host and port are not used: the
-    arguments are); `api_keys` makes every call but health checks need a key. Raises
+    arguments are); `api_keys` makes every call but health checks need a key (refused calls are
+    counted in `metrics` and summarised in one INFO line per refused_log_interval_s). Raises
     PortInUseError when the port is taken. Must run inside the event loop that will serve it
     (grpc.aio binds the server to that loop).
     """
+    install_grpc_log_filter()  # no client-sent bytes in grpcio's log records, in-process servers too
     config = config or PublicServerConfig()
-    auth = BearerTokenInterceptor(api_keys.accepts, API_KEY_REFUSAL) if api_keys is not None else None
+    metrics = metrics or ServiceMetrics(recording=False)
+    refused_calls = None
+    auth: grpc.aio.ServerInterceptor = MetadataCheckInterceptor()
+    if api_keys is not None:
+        refused_calls = RefusedCalls(metrics, refused_log_interval_s)
+        auth = BearerTokenInterceptor(api_keys.accepts, API_KEY_REFUSAL, on_refused=refused_calls)
     server = grpc_options.new_server(STATUSES, auth, max_concurrent_calls=config.max_concurrent_calls,
                                      max_message_bytes=max_message_bytes, options=PENDING_CALL_OPTIONS)
-    servicer = TextGenerationServicer(engine, metrics or ServiceMetrics(recording=False), config.served_model_name)
+    servicer = TextGenerationServicer(engine, metrics, config.served_model_name)
     generate_pb2_grpc.add_TextGenerationServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -269,4 +284,4 @@ def build_public_server(engine: Engine, host: str, port: int, *,
         # One set of credentials per address bound (a loopback host is bound twice): a function, not an object.
         credentials = ReloadingCertificates(config.tls_cert, config.tls_key, config.tls_client_ca).server_credentials
     bound_port = listen(server, host, port, credentials, PUBLIC_PORT_IN_USE)
-    return PublicServer(server, bound_port, engine, servicer, health_servicer, readiness_poll_s)
+    return PublicServer(server, bound_port, engine, servicer, health_servicer, readiness_poll_s, refused_calls)

@@ -114,7 +114,8 @@ class ServiceMetrics:
         self.request_success = Counter("nanovllm_request_success", "Requests that finished, by finish reason",
                                        ["finish_reason"], registry=self.registry)
         self.request_failure = Counter("nanovllm_request_failure", "Requests that ended with an error status, "
-                                       "by gRPC status code", ["code"], registry=self.registry)
+                                       "by gRPC status code (UNAUTHENTICATED: calls of any method refused for "
+                                       "want of a valid API key)", ["code"], registry=self.registry)
         self.time_to_first_token = Histogram(
             "nanovllm_time_to_first_token_seconds", "From the request's arrival to its first token",
             buckets=TTFT_BUCKETS, registry=self.registry)
