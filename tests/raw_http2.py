@@ -14,11 +14,13 @@ import socket
 import ssl
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, CONTINUATION = 0x0, 0x1, 0x3, 0x4, 0x6, 0x7, 0x9
 END_STREAM, END_HEADERS, ACK = 0x1, 0x4, 0x1
+CANCEL = 0x8  # RST_STREAM's error code
 MAX_FRAME_BYTES = 16_384  # SETTINGS_MAX_FRAME_SIZE's initial value
 STREAM_ID = 1
 
@@ -110,6 +112,7 @@ class RawResponse:
     grpc_message: bytes = b""
     reset: bool = False
     goaway: bool = False
+    num_data_frames: int = 0
     frame_kinds: list[int] = field(default_factory=list)
 
 
@@ -127,40 +130,76 @@ def _connect(host: str, port: int, tls_ca: bytes | None) -> socket.socket:
     return context.wrap_socket(sock, server_hostname=host)
 
 
-def call(host: str, port: int, path: str, metadata: list[tuple[bytes, bytes]], message: bytes = b"",
-         *, tls_ca: bytes | None = None, timeout: float = 10.0) -> RawResponse:
-    """One unary gRPC call on a connection of its own, `metadata` written byte for byte."""
-    block = b"".join(_literal(name, value) for name, value in [
-        (b":method", b"POST"), (b":scheme", b"https" if tls_ca else b"http"), (b":path", path.encode()),
-        (b":authority", f"{host}:{port}".encode()), (b"content-type", b"application/grpc"), (b"te", b"trailers"),
-        *metadata])
-    response = RawResponse()
-    deadline = time.monotonic() + timeout
-    with _connect(host, port, tls_ca) as sock:
-        sock.sendall(PREFACE + _frame(SETTINGS, 0, 0) + header_frames(block) + grpc_message_frame(message))
-        reader = _FrameReader(sock)
-        while response.grpc_status is None and not response.reset and not response.goaway:
-            sock.settimeout(max(0.01, deadline - time.monotonic()))
-            frame = reader.next()
+class Connection:
+    """One HTTP/2 connection (TLS when tls_ca is given) carrying one call on stream 1."""
+
+    def __init__(self, host: str, port: int, *, tls_ca: bytes | None = None, timeout: float = 10.0) -> None:
+        self.host, self.port, self.tls_ca, self.timeout = host, port, tls_ca, timeout
+        self.sock = _connect(host, port, tls_ca)
+        self.sock.sendall(PREFACE + _frame(SETTINGS, 0, 0))
+        self._reader = _FrameReader(self.sock)
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.sock.close()
+
+    def send_request(self, path: str, metadata: list[tuple[bytes, bytes]], message: bytes = b"") -> None:
+        """The call's headers, `metadata` written byte for byte, then its one request message."""
+        block = b"".join(_literal(name, value) for name, value in [
+            (b":method", b"POST"), (b":scheme", b"https" if self.tls_ca else b"http"), (b":path", path.encode()),
+            (b":authority", f"{self.host}:{self.port}".encode()), (b"content-type", b"application/grpc"),
+            (b"te", b"trailers"), *metadata])
+        self.sock.sendall(header_frames(block) + grpc_message_frame(message))
+
+    def reset(self) -> None:
+        """RST_STREAM with CANCEL, as a client sends when it cancels or its deadline passes."""
+        self.sock.sendall(_frame(RST_STREAM, 0, STREAM_ID, struct.pack(">I", CANCEL)))
+
+    def read_until(self, done: Callable[[RawResponse], bool]) -> RawResponse:
+        """Reads frames (answering SETTINGS and PING) until done(response), the stream's end, or the
+        connection's; raises TimeoutError after `timeout` seconds."""
+        response = RawResponse()
+        deadline = time.monotonic() + self.timeout
+        while not done(response) and response.grpc_status is None and not response.reset and not response.goaway:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no end of the stream within {self.timeout} s")
+            self.sock.settimeout(remaining)
+            frame = self._reader.next()
             if frame is None:
                 response.goaway = True
                 break
-            kind, flags, stream_id, payload = frame
-            response.frame_kinds.append(kind)
-            if kind == SETTINGS and not flags & ACK:
-                sock.sendall(_frame(SETTINGS, ACK, 0))
-            elif kind == PING and not flags & ACK:
-                sock.sendall(_frame(PING, ACK, 0, payload))
-            elif kind == HEADERS and stream_id == STREAM_ID:
-                fields = literal_fields(payload)  # gRPC core's response blocks fit one frame
-                if b"grpc-status" in fields:
-                    response.grpc_status = int(fields[b"grpc-status"])
-                    response.grpc_message = fields.get(b"grpc-message", b"")
-            elif kind == RST_STREAM and stream_id == STREAM_ID:
-                response.reset = True
-            elif kind == GOAWAY:
-                response.goaway = True
-    return response
+            self._handle(frame, response)
+        return response
+
+    def _handle(self, frame: tuple[int, int, int, bytes], response: RawResponse) -> None:
+        kind, flags, stream_id, payload = frame
+        response.frame_kinds.append(kind)
+        if kind == SETTINGS and not flags & ACK:
+            self.sock.sendall(_frame(SETTINGS, ACK, 0))
+        elif kind == PING and not flags & ACK:
+            self.sock.sendall(_frame(PING, ACK, 0, payload))
+        elif kind == HEADERS and stream_id == STREAM_ID:
+            fields = literal_fields(payload)  # gRPC core's response blocks fit one frame
+            if b"grpc-status" in fields:
+                response.grpc_status = int(fields[b"grpc-status"])
+                response.grpc_message = fields.get(b"grpc-message", b"")
+        elif kind == DATA and stream_id == STREAM_ID:
+            response.num_data_frames += 1
+        elif kind == RST_STREAM and stream_id == STREAM_ID:
+            response.reset = True
+        elif kind == GOAWAY:
+            response.goaway = True
+
+
+def call(host: str, port: int, path: str, metadata: list[tuple[bytes, bytes]], message: bytes = b"",
+         *, tls_ca: bytes | None = None, timeout: float = 10.0) -> RawResponse:
+    """One unary gRPC call on a connection of its own, `metadata` written byte for byte; its response."""
+    with Connection(host, port, tls_ca=tls_ca, timeout=timeout) as connection:
+        connection.send_request(path, metadata, message)
+        return connection.read_until(lambda response: False)
 
 
 class _FrameReader:

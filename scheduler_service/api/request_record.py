@@ -23,6 +23,14 @@ from scheduler_service.observe.metrics import ServiceMetrics
 
 logger = logging.getLogger("nanovllm.requests")
 
+# A client's deadline passes a little before the server's: grpc core rounds the grpc-timeout it sends
+# up (to 10 ms under 10 s, 100 ms under 100 s, and so on: up to about 1%), and the header travels. So
+# the cancellation the client sends when its deadline passes usually reaches the server first, while
+# the server's deadline is still ahead: a cancellation within this slack of the deadline is the
+# deadline's (DEADLINE_EXCEEDED, as the client saw), not the client's choice (CANCELLED).
+DEADLINE_SLACK_S = 0.05
+DEADLINE_SLACK_FRACTION = 0.02  # of the time the call had when it arrived
+
 # version-traceid-parentid-flags, lowercase hex (https://www.w3.org/TR/trace-context/#traceparent-header).
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 
@@ -59,6 +67,7 @@ class RequestRecord:
         self.context = context
         self.traceparent = traceparent_of(context)
         self.arrival = time.perf_counter()
+        self.budget_s = context.time_remaining()  # None: the call has no deadline
         self.first_token_time: float | None = None
         self.last_output_time = 0.0
         self.last: RequestOutput | None = None
@@ -103,14 +112,21 @@ class RequestRecord:
         if exc is None:
             return None
         if isinstance(exc, asyncio.CancelledError | GeneratorExit):
-            remaining = self.context.time_remaining()
-            return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+            return "DEADLINE_EXCEEDED" if self._deadline_passed() else "CANCELLED"
         if isinstance(exc, grpc.aio.AbortError):
             code = self.context.code()
             return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
         if isinstance(exc, Exception):
             return STATUSES.status_for(exc)[0].name
         return "CANCELLED"
+
+    def _deadline_passed(self) -> bool:
+        """Whether the call's deadline has passed, or so nearly that the cancellation is the client's
+        deadline (DEADLINE_SLACK_S)."""
+        remaining = self.context.time_remaining()
+        if remaining is None or self.budget_s is None:
+            return False
+        return remaining <= DEADLINE_SLACK_S + DEADLINE_SLACK_FRACTION * self.budget_s
 
     def _record(self, code: str | None, finish_reason: str | None, e2e: float) -> None:
         metrics, last = self.metrics, self.last

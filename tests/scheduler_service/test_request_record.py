@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -16,6 +17,7 @@ from scheduler_service.api.request_record import valid_traceparent
 from scheduler_service.api.tokenizer import load_tokenizer
 from scheduler_service.observe.metrics import ServiceMetrics
 from scheduler_service.observe.metrics_server import MetricsServer
+from tests import raw_http2
 from tests.metrics_scrape import scrape, value
 from tests.scheduler_service.public_server_harness import FakeEngine, ServerThread, save_tiny_tokenizer
 from tests.services_harness import wait_until
@@ -149,6 +151,29 @@ def test_cancelled_and_expired_streams_are_counted(stub, engine: FakeEngine, met
     assert (fields["status"], fields["completion_tokens"], fields["finish_reason"]) == (code, 1, None)
     wait_until(lambda: value(scrape(metrics_port), "nanovllm_request_failure_total", code=code) == before + 1,
                timeout=10, what=f"the {code} count")
+
+
+def test_a_cancellation_at_the_clients_rounded_up_deadline_is_logged_deadline_exceeded(
+        server: ServerThread, engine: FakeEngine, metrics_port: int, request_lines) -> None:
+    """grpc core rounds the grpc-timeout it sends up (12.34 s goes out as 12.4 s), so its cancellation,
+    sent when its own deadline passes, reaches the server before the server's deadline: here a client
+    whose header says 3 s cancels after 2.95 s, as such a client does. The client saw DEADLINE_EXCEEDED;
+    so must the log and the metrics."""
+    engine.hang_after_first_output = True
+    before = value(scrape(metrics_port), "nanovllm_request_failure_total", code="DEADLINE_EXCEEDED")
+    host, port = server.target.split(":")
+    request = build_request("hello", request_id="rounded-deadline").SerializeToString()
+    with raw_http2.Connection(host, int(port)) as connection:
+        sent = time.monotonic()
+        connection.send_request("/nanovllm.generate.v1.TextGeneration/GenerateStream", [(b"grpc-timeout", b"3S")],
+                                request)
+        assert connection.read_until(lambda response: response.num_data_frames > 0).num_data_frames == 1
+        time.sleep(max(0.0, sent + 2.95 - time.monotonic()))  # the client's own deadline, not a wait for a race
+        connection.reset()
+    fields = line_of(request_lines, "rounded-deadline")
+    assert (fields["status"], fields["completion_tokens"]) == ("DEADLINE_EXCEEDED", 1)
+    wait_until(lambda: value(scrape(metrics_port), "nanovllm_request_failure_total",
+                             code="DEADLINE_EXCEEDED") == before + 1, timeout=10, what="the DEADLINE_EXCEEDED count")
 
 
 def test_get_load_reports_the_engine_load(stub) -> None:
