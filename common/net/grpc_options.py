@@ -1,8 +1,9 @@
 """gRPC channel and server options, set explicitly in one place, and the grpc.aio server both ports build.
 
 A long prefill sends no data frames for seconds: keepalive pings (allowed with no data in between)
-let a server notice a vanished client and free its KV blocks, and keep the quiet connection (and the
-proxies and NATs between) from being dropped; servers must allow the clients' ping rate, or they
+let a server notice a vanished client and free its KV blocks (within KEEPALIVE_TIME_MS +
+KEEPALIVE_TIMEOUT_MS of its last frame: 30 s), and keep the quiet connection (and the proxies and
+NATs between) from being dropped; servers must allow the clients' ping rate, or they
 answer the pings with GOAWAY (too_many_pings). Step messages of large batches, long token-id prompts
 and responses with top logprobs of long outputs exceed gRPC's 4 MiB default.
 """
@@ -25,6 +26,9 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        # grpc 1.85 waits for a ping's ack up to this (default: a minute), whatever the keepalive
+        # timeout says: a frozen client's streams lived 80 s, not 30.
+        ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]
