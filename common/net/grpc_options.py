@@ -2,7 +2,7 @@
 
 A long prefill sends no data frames for seconds: keepalive pings (allowed with no data in between)
 let a server notice a vanished client and free its KV blocks (within KEEPALIVE_TIME_MS +
-KEEPALIVE_TIMEOUT_MS of its last frame: 30 s), and keep the quiet connection (and the proxies and
+KEEPALIVE_TIMEOUT_MS of its last frame: 25 s), and keep the quiet connection (and the proxies and
 NATs between) from being dropped; servers must allow the clients' ping rate, or they
 answer the pings with GOAWAY (too_many_pings). Step messages of large batches, long token-id prompts
 and responses with top logprobs of long outputs exceed gRPC's 4 MiB default.
@@ -16,7 +16,7 @@ import grpc
 from common.net.error_mapping import ErrorMappingInterceptor, StatusMapper
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-KEEPALIVE_TIME_MS = 20_000
+KEEPALIVE_TIME_MS = 15_000
 KEEPALIVE_TIMEOUT_MS = 10_000
 
 
