@@ -1,7 +1,8 @@
 """`nanovllm serve`: one worker process and the scheduler on this machine; stopping this process
 stops both.
 
-The worker gets a fresh random secret through its environment (never its argv, which `ps` shows).
+The worker gets a fresh random secret through its environment (never its argv, which `ps` shows),
+and serve's environment without the scheduler's secrets (the API keys): a worker needs none of them.
 If the worker process exits before it was ever ready, serve stops at once; if it exits later, its
 requests wait --worker-timeout as with any lost worker, then serve stops. Either way serve exits
 non-zero with the worker's last error line as its own last line.
@@ -21,6 +22,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Mapping
 
 from common.contract.config import (
     ObservabilityConfig,
@@ -31,11 +33,23 @@ from common.contract.config import (
 )
 from common.contract.config_flags import to_argv
 from common.net.ports import METRICS_PORT_IN_USE, PUBLIC_PORT_IN_USE, check_port_free, free_port
+from common.security.api_keys import API_KEYS_ENV
 from common.security.worker_secret import SECRET_ENV, new_secret
 from launch.scheduler import STOPPED_AT_ONCE, SchedulerServiceConfig, run_scheduler_async
 from scheduler_service.lanes.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
+
+# What serve's environment may hold that its worker must not: the public port's API keys, and the
+# key a client on this shell would send (common.client's examples, bench/serving.py).
+SCHEDULER_ONLY_ENV = (API_KEYS_ENV, "NANOVLLM_API_KEY")
+
+
+def worker_environment(environ: Mapping[str, str], secret: str) -> dict[str, str]:
+    """The worker's environment: environ without SCHEDULER_ONLY_ENV, with the worker secret (devices,
+    caches, threads and the like pass unchanged)."""
+    return {**{name: value for name, value in environ.items() if name not in SCHEDULER_ONLY_ENV},
+            SECRET_ENV: secret}
 
 
 def worker_command(config: WorkerConfig, observability: ObservabilityConfig, port: int) -> list[str]:
@@ -132,7 +146,7 @@ def run_serve(config: WorkerConfig, scheduler: SchedulerConfig, public: PublicSe
     logger.info("starting a worker for %s on 127.0.0.1:%d", config.model, port)
     # Its own session: a terminal's Ctrl-C (SIGINT to the foreground process group) reaches serve only.
     worker = subprocess.Popen(worker_command(config, observability, port), stderr=subprocess.PIPE, text=True,
-                              errors="replace", env={**os.environ, SECRET_ENV: link.secret},
+                              errors="replace", env=worker_environment(os.environ, link.secret),
                               start_new_session=True, preexec_fn=_worker_dies_with_serve)
     stderr = WorkerStderr(worker)
     status, failure = STOPPED_AT_ONCE, None
@@ -143,6 +157,7 @@ def run_serve(config: WorkerConfig, scheduler: SchedulerConfig, public: PublicSe
         status = 0
     finally:
         _stop_worker(worker, 15 if status == 0 else 2)
+        stderr.join()  # the worker's last lines are out before serve's own end
     if failure is not None:
         print(f"nanovllm serve: {failure}", file=sys.stderr)
         return 1

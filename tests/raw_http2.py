@@ -145,10 +145,12 @@ class Connection:
     def __exit__(self, *exc_info: object) -> None:
         self.sock.close()
 
-    def send_request(self, path: str, metadata: list[tuple[bytes, bytes]], message: bytes = b"") -> None:
-        """The call's headers, `metadata` written byte for byte, then its one request message."""
+    def send_request(self, path: str | bytes, metadata: list[tuple[bytes, bytes]], message: bytes = b"") -> None:
+        """The call's headers, `metadata` (and a bytes path) written byte for byte, then its one request
+        message."""
+        raw_path = path if isinstance(path, bytes) else path.encode()
         block = b"".join(_literal(name, value) for name, value in [
-            (b":method", b"POST"), (b":scheme", b"https" if self.tls_ca else b"http"), (b":path", path.encode()),
+            (b":method", b"POST"), (b":scheme", b"https" if self.tls_ca else b"http"), (b":path", raw_path),
             (b":authority", f"{self.host}:{self.port}".encode()), (b"content-type", b"application/grpc"),
             (b"te", b"trailers"), *metadata])
         self.sock.sendall(header_frames(block) + grpc_message_frame(message))
@@ -194,7 +196,7 @@ class Connection:
             response.goaway = True
 
 
-def call(host: str, port: int, path: str, metadata: list[tuple[bytes, bytes]], message: bytes = b"",
+def call(host: str, port: int, path: str | bytes, metadata: list[tuple[bytes, bytes]], message: bytes = b"",
          *, tls_ca: bytes | None = None, timeout: float = 10.0) -> RawResponse:
     """One unary gRPC call on a connection of its own, `metadata` written byte for byte; its response."""
     with Connection(host, port, tls_ca=tls_ca, timeout=timeout) as connection:

@@ -7,8 +7,12 @@ thereby writes the key into the server's log (the worker's secret likewise on th
 
 GrpcLogFilter drops that record (the bearer interceptor refuses such a call with one DEBUG line of
 its own, see common.security.bearer_auth) and, in any other grpcio record, replaces an argument that
-is raw bytes by its length. install_grpc_log_filter() puts it on grpcio's loggers; every process
-calls it at start (launch.log_format.configure_logging), and so does a server built in-process.
+is raw bytes by its length. A method path that is not UTF-8 fails in grpcio's serving loop itself
+(which then stops the server: a grpcio bug), and asyncio's report of that task quotes the path's
+bytes: a grpcio or asyncio record whose exception is a UnicodeDecodeError keeps its traceback, which
+names the position of the bad byte only, but not its message. install_grpc_log_filter() puts the filter
+on grpcio's loggers and asyncio's; every process calls it at start
+(launch.log_format.configure_logging), and so does a server built in-process.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ INVALID_ENCODING_MESSAGE = "Invalid encoding on %s"
 # loggers grpcio may add later.
 GRPC_LOGGERS = ("grpc", "grpc._cython.cygrpc", "grpc._common", "grpc._server", "grpc._channel",
                 "grpc._plugin_wrapping", "grpc._utilities", "grpc._simple_stubs", "grpc.aio._server",
-                "grpc.aio._call", "grpc.aio._channel", "grpc.aio._interceptor", "grpc._observability")
+                "grpc.aio._call", "grpc.aio._channel", "grpc.aio._interceptor", "grpc._observability", "asyncio")
 
 
 def _withheld(value: object) -> object:
@@ -31,14 +35,17 @@ def _withheld(value: object) -> object:
 
 
 class GrpcLogFilter(logging.Filter):
-    """Drops grpcio's invalid-encoding record and withholds raw bytes from grpcio's other records."""
+    """Drops grpcio's invalid-encoding record and withholds raw bytes from grpcio's other records,
+    and the message of a grpcio or asyncio record about bytes that are not UTF-8."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not record.name.startswith("grpc"):
+        if record.name != "asyncio" and not record.name.startswith("grpc"):
             return True
         if record.msg == INVALID_ENCODING_MESSAGE:
             return False
-        if isinstance(record.args, tuple) and any(isinstance(arg, bytes | bytearray) for arg in record.args):
+        if record.exc_info and isinstance(record.exc_info[1], UnicodeDecodeError):
+            record.msg, record.args = "bytes that are not UTF-8 (withheld) failed to decode", None
+        elif isinstance(record.args, tuple) and any(isinstance(arg, bytes | bytearray) for arg in record.args):
             record.args = tuple(_withheld(arg) for arg in record.args)
         return True
 
