@@ -32,8 +32,6 @@ import threading
 from types import TracebackType
 from typing import Any, TextIO
 
-from launch.log_format import JSON_ENTRY_ATTRIBUTE
-
 CORE_LOGGER = "grpc.core"
 STDERR_LOGGER = "stderr"
 MAX_LINE_BYTES = 64 * 1024  # a longer line is logged in pieces of this size
@@ -41,6 +39,8 @@ DRAIN_S = 2.0
 # absl's prefix: level letter, MMDD, time, thread id, file:line] (gRPC core logs through absl).
 _CORE_LINE = re.compile(r"([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ ([^\]\s]+)\] ?(.*)", re.DOTALL)
 _CORE_LEVELS = {"I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR, "F": logging.CRITICAL}
+# A record that carries a whole JSON object (another process's line): launch.log_format writes it as is.
+JSON_ENTRY_ATTRIBUTE = "json_entry"
 
 _capture: StderrCapture | None = None
 

@@ -23,9 +23,9 @@ from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from common.security.grpc_logs import GRPC_LOG_FILTER, install_grpc_log_filter
+from launch.json_stderr import JSON_ENTRY_ATTRIBUTE, capture_stderr
 
 FIELDS_ATTRIBUTE = "fields"
-JSON_ENTRY_ATTRIBUTE = "json_entry"  # a record carrying a whole JSON object (another process's line)
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Values printed bare in the text format; anything else is quoted (JSON string syntax), so that a
 # client-chosen value (a request id) can neither break the line nor fake another field.
@@ -111,8 +111,6 @@ def configure_logging(level: str, log_format: str = "text") -> None:
     install_grpc_log_filter()
     stream: TextIO = sys.stderr
     if log_format == "json":
-        from launch.json_stderr import capture_stderr
-
         stream = capture_stderr()
     handler = LogHandler(stream)
     handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
