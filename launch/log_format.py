@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from common.security.grpc_logs import GRPC_LOG_FILTER, install_grpc_log_filter
+from common.security.secret_redaction import SecretRedactionFilter
 from launch.json_stderr import JSON_ENTRY_ATTRIBUTE, capture_stderr
 
 FIELDS_ATTRIBUTE = "fields"
@@ -86,8 +87,10 @@ class JsonFormatter(logging.Formatter):
             "message": record.getMessage(),
         }
         entry.update(fields_of(record))
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
+        if record.exc_info:  # the traceback made once per record (and redacted: common.security.secret_redaction)
+            record.exc_text = record.exc_text or self.formatException(record.exc_info)
+        if record.exc_text:
+            entry["exception"] = record.exc_text
         return json_line(entry)
 
 
@@ -105,8 +108,9 @@ class LogHandler(logging.StreamHandler):
 def configure_logging(level: str, log_format: str = "text") -> None:
     """Process start-up: sets the root logger's level and the format of its one stderr handler, gRPC
     core's verbosity (DEFAULT_GRPC_VERBOSITY unless GRPC_VERBOSITY is set; read when grpc is first
-    imported, so call this before) and the filter that keeps client-sent bytes out of grpcio's
-    records. In the JSON format, stderr itself is routed through logging (launch.json_stderr)."""
+    imported, so call this before), the filter that keeps client-sent bytes out of grpcio's
+    records and the one that redacts the secrets this process knows. In the JSON format, stderr
+    itself is routed through logging (launch.json_stderr)."""
     os.environ.setdefault(GRPC_VERBOSITY_ENV, DEFAULT_GRPC_VERBOSITY)
     install_grpc_log_filter()
     stream: TextIO = sys.stderr
@@ -115,4 +119,5 @@ def configure_logging(level: str, log_format: str = "text") -> None:
     handler = LogHandler(stream)
     handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     handler.addFilter(GRPC_LOG_FILTER)  # grpcio's loggers made after install_grpc_log_filter, too
+    handler.addFilter(SecretRedactionFilter())  # the keys and secrets this process knows, wherever they appear
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)

@@ -150,7 +150,7 @@ def failed_handshakes(run: Run, port: int) -> None:
 
 def requests_with_hostile_ids_and_a_deadline(run: Run, port: int, ca_path: Path) -> None:
     with GenerationClient(f"localhost:{port}", ca_cert=ca_path, api_key=API_KEY, timeout=60) as client:
-        for request_id in HOSTILE_REQUEST_IDS:
+        for request_id in [*HOSTILE_REQUEST_IDS, f"echo-{API_KEY}"]:  # a client may echo its key anywhere
             client.generate("hello", request_id=request_id, max_tokens=2)
     credentials = grpc.ssl_channel_credentials(ca_path.read_bytes())
     with grpc.secure_channel(f"localhost:{port}", credentials) as channel:
@@ -240,6 +240,7 @@ def test_failed_handshakes_come_out_as_grpc_core_records(run: Run) -> None:
 def test_request_ids_stay_on_their_line_and_a_passed_deadline_is_logged_as_such(run: Run) -> None:
     lines = {e["request_id"]: e for e in log_entries(run.log) if e["logger"] == "nanovllm.requests"}
     assert [lines[request_id]["status"] for request_id in HOSTILE_REQUEST_IDS] == ["OK"] * len(HOSTILE_REQUEST_IDS)
+    assert lines["echo-<redacted>"]["status"] == "OK"  # the key a client echoed is redacted
     assert run.deadline_code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert lines["deadline-passes"]["status"] == "DEADLINE_EXCEEDED"
     assert value(run.metrics, "nanovllm_request_failure_total", code="DEADLINE_EXCEEDED") == 1

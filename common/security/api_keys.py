@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 
 from common.security.bearer_auth import is_bearer_of
 from common.security.reloading_files import ReloadingFiles
+from common.security.secret_redaction import register_secret_source
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,8 @@ class ApiKeys:
                 raise ValueError(f"api_key_file: cannot read {path}: {error.__class__.__name__}") from error
         if not self.keys:
             raise ValueError("api_key_file: holds no key" if path else f"{API_KEYS_ENV}: holds no key")
+        this = weakref.ref(self)  # the registry must not keep an ApiKeys alive
+        register_secret_source(lambda: keys.keys if (keys := this()) is not None else ())
 
     @classmethod
     def from_config(cls, path: str | None, environ: dict[str, str] | os._Environ[str] = os.environ) -> ApiKeys | None:

@@ -4,7 +4,8 @@ The secret comes from a file (--worker-secret-file) or the NANOVLLM_WORKER_SECRE
 variable, never from a command-line value (those show in `ps`). It travels as
 `authorization: Bearer <secret>` metadata on every worker call and is compared in constant time
 (common.security.bearer_auth's interceptor, with accepts_secret). It is never logged:
-WorkerLinkConfig keeps it out of its repr.
+WorkerLinkConfig keeps it out of its repr, and a loaded secret is redacted from every log line
+(common.security.secret_redaction), should a client echo it.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import secrets
 from collections.abc import Callable
 
 from common.security.bearer_auth import METADATA_KEY, is_bearer_of
+from common.security.secret_redaction import register_secret_source
 from common.security.tls import read_file
 
 SECRET_ENV = "NANOVLLM_WORKER_SECRET"
@@ -36,12 +38,15 @@ def load_secret(secret_file: str | None) -> str:
     if len(secret) < MIN_SECRET_CHARS:
         raise ValueError(f"worker secret: {source} holds {len(secret)} characters, at least {MIN_SECRET_CHARS} "
                          f"are needed")
+    register_secret_source(lambda: (secret,))  # redacted from this process's log
     return secret
 
 
 def new_secret() -> str:
     """A random secret, for a worker this process starts itself."""
-    return secrets.token_hex(32)
+    secret = secrets.token_hex(32)
+    register_secret_source(lambda: (secret,))  # redacted from this process's log
+    return secret
 
 
 def secret_metadata(secret: str) -> tuple[tuple[str, str], ...]:
