@@ -2,8 +2,9 @@
 metrics port and `--log-format json --log-level DEBUG` (gRPC core at INFO), its stderr (the worker's
 forwarded into it) in a file. It gets raw HTTP/2 calls whose metadata holds the API key and the
 worker secret followed by bytes gRPC does not allow, failed TLS handshakes, hostile request ids and
-a call whose deadline passes; then it is stopped. Every line it wrote is one JSON object, gRPC
-core's included; no line holds a secret; the worker's environment holds its secret, not the API key.
+a call whose deadline passes, a request id that echoes the key; then it is stopped. Every line it
+wrote is one JSON object, gRPC core's included; no line holds a secret; the worker's environment
+holds its secret, not the API key.
 A scheduler alone (nothing to load) shows gRPC core's verbosity: ERROR unless GRPC_VERBOSITY says."""
 from __future__ import annotations
 
@@ -45,8 +46,14 @@ def cli_process(args: list[str], log: Path, env: dict[str, str]) -> subprocess.P
 
 
 def stop(process: subprocess.Popen) -> int:
+    """SIGTERM, then the exit status; SIGKILL (and a failure) if it has not exited within a minute."""
     process.send_signal(signal.SIGTERM)
-    return process.wait(timeout=60)
+    try:
+        return process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        raise
 
 
 def log_entries(log: Path) -> list[dict]:
