@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
+import io
 import ipaddress
 import os
 import re
+import signal
 import sys
 from typing import Any
 
@@ -236,8 +239,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _print_stacks_on_sigusr1() -> None:
+    """`kill -USR1 <pid>` prints every thread's stack to stderr: what a process that seems stuck is
+    doing. Not where stderr is no file (main() called under a test's captured output)."""
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _print_stacks_on_sigusr1()
     try:
         observability = config_from(ObservabilityConfig, args)
         configure_logging(observability.log_level, observability.log_format)
