@@ -58,8 +58,8 @@ def start_worker(model: Path, port: int, *extra: str, **popen) -> subprocess.Pop
     return cli("worker", "--model", str(model), "--port", str(port), *WORKER_OPTIONS, *extra, **popen)
 
 
-def start_scheduler(worker_port: int, port: int, *extra: str) -> subprocess.Popen:
-    return cli("scheduler", "--worker", f"127.0.0.1:{worker_port}", "--port", str(port), *extra)
+def start_scheduler(worker_port: int, port: int, *extra: str, **popen) -> subprocess.Popen:
+    return cli("scheduler", "--worker", f"127.0.0.1:{worker_port}", "--port", str(port), *extra, **popen)
 
 
 def worker_describe(port: int) -> worker_pb2.DescribeResponse:

@@ -24,6 +24,7 @@ from common.generated.nanovllm.worker.v1 import worker_pb2, worker_pb2_grpc
 from common.net.grpc_options import new_server
 from common.net.ports import WORKER_PORT_IN_USE, grpc_address, listen
 from common.security.bearer_auth import BearerTokenInterceptor
+from common.security.grpc_logs import install_grpc_log_filter
 from common.security.tls import server_credentials
 from common.security.worker_secret import SECRET_REFUSAL, accepts_secret
 from worker_service.api.statuses import STATUSES, ClaimRefusedError, SessionLostError
@@ -160,6 +161,7 @@ async def serve_worker(core: WorkerCore | TensorParallelCore, model_thread: Thre
     """Starts the worker's server; returns it and the bound port. Raises PortInUseError when the
     address is taken (SO_REUSEPORT is off, so a second worker cannot share a port)."""
     credentials = server_credentials_for(link)
+    install_grpc_log_filter()  # no client-sent bytes in grpcio's log records, in-process workers too
     server = new_server(STATUSES, BearerTokenInterceptor(accepts_secret(link.secret), SECRET_REFUSAL))
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(core, model_thread, link.session_lease_s), server)
     health_servicer = health.aio.HealthServicer()
