@@ -6,11 +6,16 @@ comparing tokens). Freed blocks keep their hash and can be revived until the all
 least recently freed first. Every operation costs O(blocks touched), never O(pool). A sequence's
 block table and block hashes change only here, one method per change: admit, allocate_slots,
 register_computed_blocks, free.
+
+An optional listener (BlockListener) hears the prefix cache change: blocks registered, blocks
+evicted, everything forgotten; the manager knows nothing of who listens (a gateway routing by
+prefix, through the public API's KV event stream).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import xxhash
@@ -45,8 +50,32 @@ class PrefixHit:
     num_in_use: int  # how many of them other sequences hold (they cost no free block)
 
 
+@dataclass(frozen=True, slots=True)
+class StoredBlock:
+    """A block newly registered in the prefix cache, as a listener hears of it."""
+
+    parent_hash: int  # the previous block's hash; NO_PARENT_HASH for a sequence's first block
+    block_hash: int
+    token_ids: tuple[int, ...]
+
+
+class BlockListener(Protocol):
+    """Hears the prefix cache change; called synchronously inside the manager's methods, so it must
+    be cheap (append and return)."""
+
+    def blocks_stored(self, blocks: list[StoredBlock]) -> None:
+        """Full blocks of one sequence, in order, now found by lookups."""
+
+    def blocks_removed(self, hashes: list[int]) -> None:
+        """Cached blocks evicted for reuse: lookups no longer find them."""
+
+    def cache_cleared(self) -> None:
+        """Every cached block forgotten."""
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 listener: BlockListener | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1 or block_size & (block_size - 1):
@@ -59,6 +88,7 @@ class BlockManager:
         self.hash_to_block_id: dict[int, int] = {}
         self.num_prefix_hit_tokens = 0  # counters, for tests and metrics
         self.num_prefix_query_tokens = 0
+        self.listener = listener
 
     @property
     def num_blocks(self) -> int:
@@ -135,6 +165,8 @@ class BlockManager:
             # The block is reused: its cached content is gone.
             if self.hash_to_block_id.get(block.hash) == block_id:
                 del self.hash_to_block_id[block.hash]
+                if self.listener is not None:
+                    self.listener.blocks_removed([block.hash])
             block.hash = None
             block.token_ids = ()
         block.ref_count = 1
@@ -147,6 +179,8 @@ class BlockManager:
             block.hash = None
             block.token_ids = ()
         self.hash_to_block_id.clear()
+        if self.listener is not None:
+            self.listener.cache_cleared()
 
     # Registration and release.
 
@@ -155,6 +189,7 @@ class BlockManager:
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         if num_full <= len(seq.block_hashes) or not self.enable_prefix_caching:
             return  # the common case, once per sequence per step: no block filled up
+        stored: list[StoredBlock] = []
         for index in range(len(seq.block_hashes), num_full):
             parent = seq.block_hashes[-1] if seq.block_hashes else NO_PARENT_HASH
             tokens = seq.token_ids[index * self.block_size:(index + 1) * self.block_size]
@@ -165,6 +200,10 @@ class BlockManager:
                 block.hash = block_hash
                 block.token_ids = tuple(tokens)
                 self.hash_to_block_id[block_hash] = block.block_id
+                if self.listener is not None:
+                    stored.append(StoredBlock(parent, block_hash, block.token_ids))
+        if stored and self.listener is not None:
+            self.listener.blocks_stored(stored)
 
     def free(self, seq: Sequence) -> None:
         """Releases seq's blocks; its tail is freed first so that shared prefixes outlive it."""

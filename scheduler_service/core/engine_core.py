@@ -17,7 +17,7 @@ from common.contract.config import SchedulerConfig
 from common.contract.sampling_params import SamplingParams
 from common.contract.worker_description import WorkerDescription
 from common.generated.nanovllm.worker.v1 import worker_pb2
-from scheduler_service.core.block_manager import BlockManager
+from scheduler_service.core.block_manager import BlockListener, BlockManager
 from scheduler_service.core.detokenizer import IncrementalDetokenizer, TokenDecoder
 from scheduler_service.core.errors import QueueFullError, RequestError
 from scheduler_service.core.outputs import EngineStats, RequestOutput, merged
@@ -42,6 +42,13 @@ class EngineCore:
         self._parked: list[Sequence] = []  # unfinished while detached
         self._past_counts = (0, 0, 0)  # prefix queries, hits, preemptions of earlier workers
         self._next_step_id = 1
+        self._block_listener: BlockListener | None = None
+
+    def set_block_listener(self, listener: BlockListener | None) -> None:
+        """Who hears this lane's prefix cache change (the block pools of later workers too)."""
+        self._block_listener = listener
+        if self._block_manager is not None:
+            self._block_manager.listener = listener
 
     # Workers.
 
@@ -61,7 +68,8 @@ class EngineCore:
         self.served = dataclasses.replace(worker, num_kv_blocks=num_kv_blocks,
                                           max_model_len=min(max_model_len, capacity),
                                           eos_token_ids=tuple(sorted(self.eos_token_ids)))
-        self._block_manager = BlockManager(num_kv_blocks, worker.block_size, config.enable_prefix_caching)
+        self._block_manager = BlockManager(num_kv_blocks, worker.block_size, config.enable_prefix_caching,
+                                           self._block_listener)
         self._scheduler = Scheduler(config, self._block_manager, self.served.max_model_len)
         self._next_step_id = 1  # a claim starts the worker's step ids over
         for seq in self._parked:
@@ -80,6 +88,8 @@ class EngineCore:
             seq.preempt()
             self._parked.append(seq)
         self._scheduler = self._block_manager = None
+        if self._block_listener is not None:  # the worker's cache, and every block in it, is gone
+            self._block_listener.cache_cleared()
 
     def fail_parked(self) -> list[int]:
         """Ends the parked sequences (no worker came back for them); returns their ids."""
