@@ -1,4 +1,5 @@
-"""The public gRPC server: the TextGeneration service, grpc.health.v1 and server reflection.
+"""The public gRPC server: the TextGeneration service, vllm.grpc.engine.VllmEngine (api/vllm_engine.py,
+for gateways), grpc.health.v1 and server reflection.
 
 The servicer is thin: it converts a request (request_conversion), makes one engine call and
 converts the outputs back (response_conversion); exceptions become status codes in one place
@@ -16,6 +17,7 @@ from typing import Any, Protocol
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from common.contract.config import PublicServerConfig
 from common.contract.sampling_params import SamplingParams
@@ -41,6 +43,8 @@ from scheduler_service.api.response_conversion import (
     stream_response,
 )
 from scheduler_service.api.statuses import STATUSES
+from scheduler_service.api.vllm_engine import SERVICE_NAME as VLLM_SERVICE_NAME
+from scheduler_service.api.vllm_engine import VllmEngineServicer
 from scheduler_service.core.errors import EngineUnavailableError, RequestError
 from scheduler_service.core.outputs import EngineStats, RequestOutput
 from scheduler_service.observe.load_report import LoadReport
@@ -174,7 +178,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
 class PublicServer:
     """A built, not yet started public server. `port` is the bound port (useful with port 0).
 
-    Health: both "" and SERVICE_NAME report NOT_SERVING until engine.is_ready, SERVING while it is,
+    Health: "", SERVICE_NAME and VLLM_SERVICE_NAME report NOT_SERVING until engine.is_ready, SERVING while it is,
     NOT_SERVING again if it stops being ready, and NOT_SERVING for good once set_not_serving() or
     stop() is called (so load balancers drain the server before it goes away).
     """
@@ -189,6 +193,7 @@ class PublicServer:
         self.health = health_servicer
         self.readiness_poll_s = readiness_poll_s
         self.refused_calls = refused_calls  # with API keys: the refusals counted and summarised
+        self.vllm: VllmEngineServicer | None = None  # the gateways' dialect on the same port
         self._watch_task: asyncio.Task[None] | None = None
         self._draining = False
 
@@ -223,7 +228,7 @@ class PublicServer:
         await self.server.wait_for_termination()
 
     async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
-        for service in ("", SERVICE_NAME):
+        for service in ("", SERVICE_NAME, VLLM_SERVICE_NAME):
             await self.health.set(service, status)
 
     async def _watch_readiness(self) -> None:
@@ -274,14 +279,20 @@ def build_public_server(engine: Engine, host: str, port: int, *,
                                      max_message_bytes=max_message_bytes, options=PENDING_CALL_OPTIONS)
     servicer = TextGenerationServicer(engine, metrics, config.served_model_name)
     generate_pb2_grpc.add_TextGenerationServicer_to_server(servicer, server)
+    vllm_servicer = VllmEngineServicer(servicer)
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(vllm_servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if config.reflection:
-        reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server,
+        reflection.enable_server_reflection([SERVICE_NAME, VLLM_SERVICE_NAME, health.SERVICE_NAME,
+                                             reflection.SERVICE_NAME], server,
                                             pool=public_descriptor_pool())
     credentials: Callable[[], grpc.ServerCredentials] | None = None
     if config.tls_cert is not None and config.tls_key is not None:
         # One set of credentials per address bound (a loopback host is bound twice): a function, not an object.
         credentials = ReloadingCertificates(config.tls_cert, config.tls_key, config.tls_client_ca).server_credentials
     bound_port = listen(server, host, port, credentials, PUBLIC_PORT_IN_USE)
-    return PublicServer(server, bound_port, engine, servicer, health_servicer, readiness_poll_s, refused_calls)
+    public = PublicServer(server, bound_port, engine, servicer, health_servicer, readiness_poll_s, refused_calls)
+    public.vllm = vllm_servicer
+    vllm_servicer.is_serving = lambda: public.is_serving  # HealthCheck says what grpc.health.v1 says
+    return public

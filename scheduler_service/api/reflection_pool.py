@@ -1,5 +1,5 @@
-"""The descriptors the public port's server reflection may describe: the public API, health and
-reflection, and what they import; nothing else.
+"""The descriptors the public port's server reflection may describe: the public API, the gateways'
+vllm.grpc.engine, health and reflection, and what they import; nothing else.
 
 grpc_reflection answers from protobuf's default descriptor pool unless given one, and this
 process also loads the worker protocol (nanovllm.worker.v1, for its own Step calls): from the
@@ -11,10 +11,11 @@ from __future__ import annotations
 from google.protobuf import descriptor, descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2
 
 from common.generated.nanovllm.generate.v1 import generate_pb2
 
-PUBLIC_FILES = (generate_pb2.DESCRIPTOR, health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR)
+PUBLIC_FILES = (generate_pb2.DESCRIPTOR, vllm_engine_pb2.DESCRIPTOR, health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR)
 
 
 def _add_with_dependencies(pool: descriptor_pool.DescriptorPool, file: descriptor.FileDescriptor,

@@ -116,7 +116,7 @@ def sampling_params(request: generate_pb2.GenerateRequest, num_prompt_tokens: in
                     model_info: WorkerDescription) -> SamplingParams:
     """SamplingParams from the request; unset fields take SamplingParams' defaults, except
     max_tokens, which defaults to the room the context leaves after the prompt."""
-    values = {name: _float32_value(value) if isinstance(value, float) else value
+    values = {name: float32_value(value) if isinstance(value, float) else value
               for name, value in values_of(request, PARAMS, lambda p: p.public).items()}
     room = model_info.max_model_len - num_prompt_tokens
     if values.setdefault("max_tokens", room) > room:
@@ -129,7 +129,7 @@ def sampling_params(request: generate_pb2.GenerateRequest, num_prompt_tokens: in
         raise RequestError(_public_message(str(exc))) from exc
 
 
-def _float32_value(value: float) -> float:
+def float32_value(value: float) -> float:
     """The shortest decimal that the wire's float32 stands for: 0.7 rather than 0.699999988, so that
     error messages echo what the client sent."""
     return float(str(np.float32(value)))

@@ -30,6 +30,7 @@ from common.net.ports import (
 from scheduler_service.api.public_server import SERVICE_NAME
 from scheduler_service.api.response_conversion import default_served_name
 from scheduler_service.api.tokenizer import load_tokenizer
+from scheduler_service.api.vllm_engine import SERVICE_NAME as VLLM_SERVICE_NAME
 from scheduler_service.observe.metrics import ServiceMetrics
 from scheduler_service.observe.metrics_server import MetricsServer
 from tests.grpcurl_tools import GRPCURL
@@ -173,7 +174,7 @@ def test_grpcurl_lists_the_services_at_ipv6_loopback(tokenizer) -> None:
                                 capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == sorted(["grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
-                                            SERVICE_NAME])
+                                            SERVICE_NAME, VLLM_SERVICE_NAME])
 
 
 @needs_ipv6

@@ -18,6 +18,7 @@ from common.contract.config import PublicServerConfig
 from common.security.api_keys import ApiKeys
 from scheduler_service.api.public_server import SERVICE_NAME
 from scheduler_service.api.tokenizer import load_tokenizer
+from scheduler_service.api.vllm_engine import SERVICE_NAME as VLLM_SERVICE_NAME
 from tests.certificates import CertificateAuthority, replace_file
 from tests.grpcurl_tools import GRPCURL, json_messages
 from tests.scheduler_service.public_server_harness import FakeEngine, ServerThread, save_tiny_tokenizer
@@ -155,7 +156,7 @@ def test_grpcurl_with_cacert_and_bearer_header(tls_server: ServerThread, tls_fil
     listed = grpcurl("-cacert", ca, "-H", bearer, target, "list")
     assert listed.returncode == 0, listed.stderr
     assert listed.stdout.split() == ["grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
-                                     SERVICE_NAME]
+                                     SERVICE_NAME, VLLM_SERVICE_NAME]
     result = grpcurl("-cacert", ca, "-H", bearer, "-d", GENERATE_BODY, target, f"{SERVICE_NAME}/Generate")
     assert result.returncode == 0, result.stderr
     assert json_messages(result.stdout)[0]["text"] == "hello world"
