@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from common.contract.sampling_params import SamplingParams
-from scheduler_service.core.block_manager import BlockManager, chain_hash
+from scheduler_service.core.block_manager import NO_PARENT_HASH, BlockManager, StoredBlock, chain_hash
 from scheduler_service.core.sequence import Sequence
 
 BLOCK = 16
@@ -185,3 +185,36 @@ def test_reset_prefix_cache_forgets_every_hash() -> None:
     manager.reset_prefix_cache()
     assert manager.hash_to_block_id == {}
     assert manager.find_prefix_hit(seq_of(tokens)).blocks == ()
+
+
+class RecordingListener:
+    """A BlockListener that keeps what it hears, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def blocks_stored(self, blocks: list[StoredBlock]) -> None:
+        self.events.append(("stored", [(b.parent_hash, b.block_hash, b.token_ids) for b in blocks]))
+
+    def blocks_removed(self, hashes: list[int]) -> None:
+        self.events.append(("removed", hashes))
+
+    def cache_cleared(self) -> None:
+        self.events.append(("cleared",))
+
+
+def test_the_listener_hears_blocks_stored_evicted_and_cleared() -> None:
+    listener = RecordingListener()
+    manager = BlockManager(2, BLOCK, listener=listener)
+    first = seq_of(list(range(2 * BLOCK)))
+    assert admit_all(manager, first)  # both blocks full: stored, chained
+    h0 = chain_hash(NO_PARENT_HASH, list(range(BLOCK)))
+    h1 = chain_hash(h0, list(range(BLOCK, 2 * BLOCK)))
+    assert listener.events == [("stored", [(NO_PARENT_HASH, h0, tuple(range(BLOCK))),
+                                           (h0, h1, tuple(range(BLOCK, 2 * BLOCK)))])]
+    manager.free(first)
+    again = seq_of(list(range(BLOCK)) + [999] * 3)  # revives block 0 (no event), evicts the other cached block
+    assert admit_all(manager, again)
+    assert listener.events[1:] == [("removed", [h1])]
+    manager.reset_prefix_cache()
+    assert listener.events[-1] == ("cleared",)
