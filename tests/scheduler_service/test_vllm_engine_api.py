@@ -1,7 +1,8 @@
 """vllm.grpc.engine.VllmEngine on the public port, through smg-grpc-proto's own stubs over a real
 channel: against a real worker on a tiny model (every RPC; greedy ids equal to our own API's,
 chunks joining to the unary answer, usage, stops, Abort freeing the request, KV events) and against
-the scripted engine (refusals by field name, API keys, health and reflection for the service name)."""
+the scripted engine (refusals by field name, API keys, mTLS, draining, health and reflection for the
+service name)."""
 from __future__ import annotations
 
 import io
@@ -16,12 +17,14 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 from tokenizers import Tokenizer as BackendTokenizer
 
+from common.contract.config import PublicServerConfig
 from common.generated.nanovllm.generate.v1 import generate_pb2, generate_pb2_grpc
 from common.security.api_keys import ApiKeys
 from scheduler_service.api.kv_events import signed_hash
 from scheduler_service.api.tokenizer import load_tokenizer
 from scheduler_service.api.vllm_engine import SERVICE_NAME
 from scheduler_service.core.block_manager import NO_PARENT_HASH, chain_hash
+from tests.certificates import CertificateAuthority
 from tests.scheduler_service.public_server_harness import FakeEngine, ServerThread, save_tiny_tokenizer
 from tests.services_harness import InProcessScheduler, free_port, start_worker, stop, wait_until
 from tests.tiny_models import make_tiny_checkpoint, save_tiny_bpe_tokenizer
@@ -325,5 +328,48 @@ def test_api_keys_apply(tmp_path: Path) -> None:
                     call()
                 assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
                 call(metadata=(("authorization", f"Bearer {KEY}"),))
+    finally:
+        server.stop()
+
+
+def test_draining_shows_in_health_check_and_server_info(tmp_path: Path) -> None:
+    tokenizer = load_tokenizer(str(save_tiny_tokenizer(tmp_path / "tokenizer")))
+    server = ServerThread(FakeEngine(tokenizer)).start()
+    try:
+        with grpc.insecure_channel(server.target) as channel:
+            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+            assert stub.HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=10).healthy
+            server.run(server.public.set_not_serving())
+            health = stub.HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=10)
+            assert not health.healthy and "draining" in health.message
+            assert stub.GetServerInfo(vllm_engine_pb2.GetServerInfoRequest(), timeout=10).is_paused
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
+                                                               timeout=10)
+            assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        server.stop()
+
+
+def test_mtls_applies(tmp_path: Path) -> None:
+    ca, client_ca = CertificateAuthority("test CA"), CertificateAuthority("test client CA")
+    server_pem, client_pem = ca.issue("localhost", server=True), client_ca.issue("gateway", server=False)
+    for name, data in {"cert": server_pem.cert, "key": server_pem.key, "client_ca": client_ca.cert_pem}.items():
+        (tmp_path / f"{name}.pem").write_bytes(data)
+    config = PublicServerConfig(tls_cert=str(tmp_path / "cert.pem"), tls_key=str(tmp_path / "key.pem"),
+                                tls_client_ca=str(tmp_path / "client_ca.pem"))
+    tokenizer = load_tokenizer(str(save_tiny_tokenizer(tmp_path / "tokenizer")))
+    server = ServerThread(FakeEngine(tokenizer), config=config).start()
+    target = f"localhost:{server.public.port}"  # the name the certificate holds
+    try:
+        with_cert = grpc.ssl_channel_credentials(ca.cert_pem, client_pem.key, client_pem.cert)
+        with grpc.secure_channel(target, with_cert) as channel:
+            (response,) = list(vllm_engine_pb2_grpc.VllmEngineStub(channel).Generate(generate_request([6, 7]),
+                                                                                     timeout=10))
+            assert response.complete.finish_reason == "stop"
+        with grpc.secure_channel(target, grpc.ssl_channel_credentials(ca.cert_pem)) as channel:
+            with pytest.raises(grpc.RpcError) as error:
+                vllm_engine_pb2_grpc.VllmEngineStub(channel).HealthCheck(vllm_engine_pb2.HealthCheckRequest(),
+                                                                         timeout=10)
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE  # no client certificate: no handshake
     finally:
         server.stop()
