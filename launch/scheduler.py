@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from common.contract.config import ObservabilityConfig, PublicServerConfig, SchedulerConfig, WorkerLinkConfig
 from common.gc_pauses import freeze_startup_objects
+from common.net.open_files import raise_open_file_limit
 from common.net.ports import METRICS_PORT_IN_USE, PUBLIC_PORT_IN_USE, check_port_free
 from common.security.api_keys import ApiKeys
 from common.security.reloading_tls import check_readable
@@ -129,6 +130,7 @@ async def _close(engine: AsyncEngine, server: PublicServer, metrics_server: Metr
 async def _start(service: SchedulerServiceConfig) -> tuple[AsyncEngine, PublicServer, MetricsServer | None]:
     """Checks every flag and port first, then builds the engine (its lanes not started) and listens."""
     public, metrics_port = service.public, service.observability.metrics_port
+    raise_open_file_limit()  # a connection holds a file: room for thousands of clients on each port
     api_keys = ApiKeys.from_config(public.api_key_file)
     check_readable({"tls_cert": public.tls_cert, "tls_key": public.tls_key, "tls_client_ca": public.tls_client_ca})
     check_port_free(public.host, public.port, PUBLIC_PORT_IN_USE)

@@ -7,6 +7,7 @@ import signal
 import time
 
 from common.contract.config import WorkerConfig, WorkerLinkConfig
+from common.net.open_files import raise_open_file_limit
 from common.net.ports import WORKER_PORT_IN_USE, check_port_free
 
 logger = logging.getLogger(__name__)
@@ -21,6 +22,7 @@ async def _serve_worker(config: WorkerConfig, link: WorkerLinkConfig, host: str,
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     check_port_free(host, port, WORKER_PORT_IN_USE)
+    raise_open_file_limit()  # a connection holds a file: room for thousands of them
     started = time.perf_counter()
     model = model_thread()  # loads the model and runs it (see model_thread for why one thread)
     try:
