@@ -124,7 +124,7 @@ async def _close(engine: AsyncEngine, server: PublicServer, metrics_server: Metr
         await engine.shutdown(0)
     await server.stop(grace_s)  # the streams just ended get their status
     if metrics_server is not None:
-        metrics_server.close()
+        await metrics_server.close()
 
 
 async def _start(service: SchedulerServiceConfig) -> tuple[AsyncEngine, PublicServer, MetricsServer | None]:
@@ -151,9 +151,9 @@ async def _start(service: SchedulerServiceConfig) -> tuple[AsyncEngine, PublicSe
     metrics_server = None
     try:
         if metrics_port:
-            metrics_server = MetricsServer(metrics.registry, public.host, metrics_port,
-                                           is_serving=lambda: server.is_serving,
-                                           model_name=server.servicer.served_model_name)
+            metrics_server = await MetricsServer.start(metrics.registry, public.host, metrics_port,
+                                                       is_serving=lambda: server.is_serving,
+                                                       model_name=server.servicer.served_model_name)
             logger.info("Prometheus metrics on http://%s:%d/metrics", public.host, metrics_server.port)
     except BaseException:  # taken since the check: one line all the same, nothing left running
         await _close(engine, server, None, grace_s=0)

@@ -1,13 +1,17 @@
 """An asyncio event loop in a daemon thread, for tests that serve gRPC in-process while the test
-calls it synchronously; and the public server served from one."""
+calls it synchronously; and the public server and the metrics endpoint served from one."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 from scheduler_service.api.public_server import PublicServer, build_public_server
+from scheduler_service.observe.metrics_server import MetricsServer
 
 
 class LoopThread:
@@ -24,6 +28,24 @@ class LoopThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
         self.loop.close()
+
+
+@contextlib.contextmanager
+def metrics_served(registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0,
+                   loop_thread: LoopThread | None = None, **options: Any) -> Iterator[MetricsServer]:
+    """A MetricsServer (options: is_serving, model_name, limits) on loop_thread's loop, as the
+    scheduler serves it beside its public server, or on a loop of its own; closed on exit."""
+    own = loop_thread is None
+    loop = LoopThread("metrics") if loop_thread is None else loop_thread
+    try:
+        server = loop.run(MetricsServer.start(registry, host, port, **options))
+        try:
+            yield server
+        finally:
+            loop.run(server.close())
+    finally:
+        if own:
+            loop.close()
 
 
 class PublicServerThread:

@@ -13,7 +13,7 @@ import yaml
 from scheduler_service.core.outputs import EngineStats
 from scheduler_service.observe.load_report import LoadReport
 from scheduler_service.observe.metrics import ServiceMetrics
-from scheduler_service.observe.metrics_server import MetricsServer
+from tests.loop_thread import metrics_served
 from tests.metrics_scrape import scrape
 from tests.services_harness import REPO_ROOT
 
@@ -33,11 +33,8 @@ def exported() -> Iterator[dict]:
     metrics.set_load_source(lambda: LoadReport.of([("w0", EngineStats(True, 1, 0, 8, 4))]))
     metrics.request_success.labels("length").inc()
     metrics.request_failure.labels("CANCELLED").inc()
-    server = MetricsServer(metrics.registry, "127.0.0.1", 0)
-    try:
+    with metrics_served(metrics.registry) as server:
         yield scrape(server.port)
-    finally:
-        server.close()
 
 
 def dashboard_expressions() -> list[str]:

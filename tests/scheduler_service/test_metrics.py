@@ -4,16 +4,13 @@ from __future__ import annotations
 
 from scheduler_service.core.outputs import EngineStats
 from scheduler_service.observe.metrics import ITL_BUCKETS, ServiceMetrics
-from scheduler_service.observe.metrics_server import MetricsServer
+from tests.loop_thread import metrics_served
 from tests.metrics_scrape import scrape, value
 
 
 def scraped(metrics: ServiceMetrics) -> dict:
-    server = MetricsServer(metrics.registry, "127.0.0.1", 0)
-    try:
+    with metrics_served(metrics.registry) as server:
         return scrape(server.port)
-    finally:
-        server.close()
 
 
 def test_inter_token_buckets_count_a_value_on_a_bound_in_that_bucket() -> None:
@@ -47,13 +44,10 @@ def test_every_sample_is_labelled_with_the_served_model_once_known() -> None:
     metrics = ServiceMetrics()
     metrics.request_success.labels("length").inc()
     name: list[str | None] = [None]
-    server = MetricsServer(metrics.registry, "127.0.0.1", 0, model_name=lambda: name[0])
-    try:
+    with metrics_served(metrics.registry, model_name=lambda: name[0]) as server:
         before = scrape(server.port)
         name[0] = "qwen3-0.6b"
         after = scrape(server.port)
-    finally:
-        server.close()
     assert all("model_name" not in dict(labels) for _, labels in before)
     assert all(dict(labels).get("model_name") == "qwen3-0.6b" for _, labels in after)
     assert value(after, "nanovllm_request_success_total", finish_reason="length", model_name="qwen3-0.6b") == 1

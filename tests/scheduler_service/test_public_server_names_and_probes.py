@@ -34,6 +34,7 @@ from scheduler_service.api.vllm_engine import SERVICE_NAME as VLLM_SERVICE_NAME
 from scheduler_service.observe.metrics import ServiceMetrics
 from scheduler_service.observe.metrics_server import MetricsServer
 from tests.grpcurl_tools import GRPCURL
+from tests.loop_thread import LoopThread, metrics_served
 from tests.scheduler_service.public_server_harness import FakeEngine, ServerThread, save_tiny_tokenizer
 from tests.services_harness import wait_until
 
@@ -186,8 +187,8 @@ def test_a_port_taken_on_ipv6_loopback_only_is_one_line_naming_it() -> None:
         with pytest.raises(PortInUseError) as raised:
             check_port_free("127.0.0.1", port, PUBLIC_PORT_IN_USE)
         assert str(raised.value) == f"public port 127.0.0.1:{port} is in use by another process"
-        with pytest.raises(PortInUseError) as raised:
-            MetricsServer(ServiceMetrics().registry, "localhost", port)
+        with pytest.raises(PortInUseError) as raised, metrics_served(ServiceMetrics().registry, "localhost", port):
+            pass
         assert str(raised.value) == METRICS_PORT_IN_USE.format(address=f"localhost:{port}")
         assert "\n" not in str(raised.value)
 
@@ -209,9 +210,8 @@ def test_metrics_health_and_404() -> None:
     metrics.request_success.labels("stop").inc()
     metrics.time_to_first_token.observe(0.01)
     serving_now = [False]
-    server = MetricsServer(metrics.registry, "127.0.0.1", 0, is_serving=lambda: serving_now[0])
-    base = f"http://127.0.0.1:{server.port}"
-    try:
+    with metrics_served(metrics.registry, is_serving=lambda: serving_now[0]) as server:
+        base = f"http://127.0.0.1:{server.port}"
         status, content_type, text = get(f"{base}/metrics")
         assert status == 200 and content_type.startswith("text/plain; version=0.0.4")
         assert "nanovllm_request_success_total{finish_reason=\"stop\"} 1.0" in text
@@ -225,8 +225,6 @@ def test_metrics_health_and_404() -> None:
         assert get(f"{base}/health")[0] == 503
         for path in ("/", "/metricsx", "/health/live", "/favicon.ico"):
             assert get(f"{base}{path}")[0] == 404, path
-    finally:
-        server.close()
     # Other registries keep their `_created` series: the switch is this server's, not the process's.
     from prometheus_client import CollectorRegistry, Counter, generate_latest
     other = CollectorRegistry()
@@ -235,32 +233,30 @@ def test_metrics_health_and_404() -> None:
 
 
 def test_health_without_a_source_is_never_serving() -> None:
-    server = MetricsServer(ServiceMetrics().registry, "127.0.0.1", 0)
+    loop = LoopThread("metrics")
     try:
+        server = loop.run(MetricsServer.start(ServiceMetrics().registry, "127.0.0.1", 0))
         assert get(f"http://127.0.0.1:{server.port}/health")[0] == 503
+        loop.run(server.close())
+        loop.run(server.close())  # twice is harmless
     finally:
-        server.close()
-        server.close()  # twice is harmless
+        loop.close()
 
 
 @needs_ipv6
 def test_metrics_port_answers_on_ipv6_loopback() -> None:
-    server = MetricsServer(ServiceMetrics().registry, "127.0.0.1", 0, is_serving=lambda: True)
-    try:
+    with metrics_served(ServiceMetrics().registry, is_serving=lambda: True) as server:
         for host in ("127.0.0.1", "[::1]", "localhost"):
             assert get(f"http://{host}:{server.port}/metrics")[0] == 200, host
             assert get(f"http://{host}:{server.port}/health")[0] == 200, host
-    finally:
-        server.close()
 
 
 def test_http_health_follows_the_public_servers_health(tokenizer) -> None:
     engine = FakeEngine(tokenizer)
     with serving(engine) as server:
-        metrics_server = MetricsServer(ServiceMetrics().registry, "127.0.0.1", 0,
-                                       is_serving=lambda: server.public.is_serving)
-        url = f"http://127.0.0.1:{metrics_server.port}/health"
-        try:
+        with metrics_served(ServiceMetrics().registry, loop_thread=server.loop_thread,
+                            is_serving=lambda: server.public.is_serving) as metrics_server:
+            url = f"http://127.0.0.1:{metrics_server.port}/health"
             assert get(url)[0] == 200
             engine.ready = False
             assert get(url)[0] == 503
@@ -272,5 +268,3 @@ def test_http_health_follows_the_public_servers_health(tokenizer) -> None:
                 from grpc_health.v1 import health_pb2, health_pb2_grpc
                 reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
                 assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
-        finally:
-            metrics_server.close()

@@ -16,8 +16,8 @@ from launch.log_format import JsonFormatter, TextFormatter
 from scheduler_service.api.request_record import valid_traceparent
 from scheduler_service.api.tokenizer import load_tokenizer
 from scheduler_service.observe.metrics import ServiceMetrics
-from scheduler_service.observe.metrics_server import MetricsServer
 from tests import raw_http2
+from tests.loop_thread import metrics_served
 from tests.metrics_scrape import scrape, value
 from tests.scheduler_service.public_server_harness import FakeEngine, ServerThread, save_tiny_tokenizer
 from tests.services_harness import wait_until
@@ -35,9 +35,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
 
 @pytest.fixture(scope="module")
 def metrics_port(server: ServerThread) -> Iterator[int]:
-    metrics_server = MetricsServer(server.engine.metrics.registry, "127.0.0.1", 0)
-    yield metrics_server.port
-    metrics_server.close()
+    with metrics_served(server.engine.metrics.registry, loop_thread=server.loop_thread) as metrics_server:
+        yield metrics_server.port
 
 
 @pytest.fixture
