@@ -20,6 +20,7 @@ from common.contract.config import ObservabilityConfig, PublicServerConfig, Sche
 from common.gc_pauses import freeze_startup_objects
 from common.net.open_files import raise_open_file_limit
 from common.net.ports import METRICS_PORT_IN_USE, PUBLIC_PORT_IN_USE, check_port_free
+from common.net.server_watch import stopped_by_itself
 from common.security.api_keys import ApiKeys
 from common.security.reloading_tls import check_readable
 from scheduler_service.api.public_server import PublicServer, build_public_server
@@ -33,6 +34,7 @@ from scheduler_service.observe.metrics_server import MetricsServer
 
 logger = logging.getLogger(__name__)
 STOPPED_AT_ONCE = 1  # the exit status after a second signal cut the drain short
+SERVER_STOPPED = 1  # the exit status after the public server stopped by itself (common/net/server_watch.py)
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class _Signals:
         self.stop = stop
         self.again = asyncio.Event()
         self.name = ""
+        self.server_died = False  # the public server stopped by itself: stop, and exit with status 1
         for signum in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(signum, self._on_signal, signum)
 
@@ -86,6 +89,23 @@ async def _serve_until_stopped(service: SchedulerServiceConfig, signals: _Signal
         raise
     if on_engine is not None:
         on_engine(engine)
+    watch = asyncio.create_task(_stop_if_the_server_dies(server, signals))
+    try:
+        return await _serve_then_drain(service, signals, stopped, engine, server, metrics_server)
+    finally:
+        watch.cancel()
+
+
+async def _stop_if_the_server_dies(server: PublicServer, signals: _Signals) -> None:
+    if await stopped_by_itself(server.server, signals.stop):
+        logger.error("the public gRPC server stopped by itself (grpcio's serving loop failed on a call); exiting "
+                     "with status 1 for a supervisor to start the scheduler again")
+        signals.server_died = True
+        signals.stop.set()
+
+
+async def _serve_then_drain(service: SchedulerServiceConfig, signals: _Signals, stopped: asyncio.Task,
+                            engine: AsyncEngine, server: PublicServer, metrics_server: MetricsServer | None) -> int:
     attached = asyncio.create_task(_attach(service, engine))
     await asyncio.wait([attached, stopped], return_when=asyncio.FIRST_COMPLETED)
     if attached.done() and attached.exception() is not None:  # e.g. the worker's model has no tokenizer
@@ -98,7 +118,7 @@ async def _serve_until_stopped(service: SchedulerServiceConfig, signals: _Signal
         await asyncio.gather(attached, return_exceptions=True)
         logger.info("stopped during start-up (no worker was ready)")
         await _close(engine, server, metrics_server, grace_s=0)
-        return 0
+        return SERVER_STOPPED if signals.server_died else 0
     grace_s = service.public.shutdown_grace_s
     logger.info("draining: new requests get UNAVAILABLE, %.0f s for those in flight", grace_s)
     await server.set_not_serving()
@@ -115,7 +135,7 @@ async def _serve_until_stopped(service: SchedulerServiceConfig, signals: _Signal
     await drained
     await _close(engine, server, metrics_server, grace_s=1.0, drained=True)
     logger.info("scheduler stopped")
-    return status
+    return SERVER_STOPPED if signals.server_died else status
 
 
 async def _close(engine: AsyncEngine, server: PublicServer, metrics_server: MetricsServer | None,
