@@ -71,6 +71,10 @@ class IdleConnections:
         self.poll()
         return len(self.closed)
 
+    def num_answered(self) -> int:
+        self.poll()
+        return len(self.answered)
+
     def close(self) -> None:
         for sock in self.sockets:
             sock.close()
