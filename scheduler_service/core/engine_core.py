@@ -173,7 +173,7 @@ class EngineCore:
         if scheduler is None or blocks is None:
             return EngineStats(False, 0, len(self._parked), 0, 0, *counts)
         return EngineStats(True, len(scheduler.running), len(scheduler.waiting), blocks.num_blocks,
-                           blocks.num_free_blocks, *counts)
+                           blocks.num_free_blocks, *counts, block_size=blocks.block_size)
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prefix (benchmarks that must start cold)."""

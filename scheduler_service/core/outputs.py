@@ -57,6 +57,7 @@ class EngineStats:
     num_prefix_query_tokens: int = 0
     num_prefix_hit_tokens: int = 0
     num_preemptions: int = 0
+    block_size: int = 0  # tokens per KV block; 0 while detached
 
     @property
     def kv_cache_usage(self) -> float:

@@ -194,6 +194,13 @@ class _LoopCollector(Collector):
             running.add_metric([address], stats.num_running)
             waiting.add_metric([address], stats.num_waiting)
             usage.add_metric([address], stats.kv_cache_usage)
-        yield from (running, waiting, usage)
+        # vLLM's cache_config_info under our prefix, with the labels llm-d's endpoint picker reads (block_size,
+        # num_gpu_blocks): its prefix scorer hashes prompts in blocks of the engine's size.
+        cache_config = GaugeMetricFamily("nanovllm_cache_config_info", "The KV cache's geometry per worker (value 1)",
+                                         labels=["worker", "block_size", "num_gpu_blocks"])
+        for address, stats in report.workers:
+            if stats.is_attached:
+                cache_config.add_metric([address, str(stats.block_size), str(stats.num_kv_blocks)], 1)
+        yield from (running, waiting, usage, cache_config)
         yield GaugeMetricFamily("nanovllm_workers_ready", "Workers connected and serving",
                                 value=report.num_workers_ready)

@@ -24,6 +24,7 @@ from scheduler_service.api.kv_events import signed_hash
 from scheduler_service.api.tokenizer import load_tokenizer
 from scheduler_service.api.vllm_engine import SERVICE_NAME
 from scheduler_service.core.block_manager import NO_PARENT_HASH, chain_hash
+from scheduler_service.observe.load_report import LoadReport
 from tests.certificates import CertificateAuthority
 from tests.scheduler_service.public_server_harness import FakeEngine, ServerThread, save_tiny_tokenizer
 from tests.services_harness import InProcessScheduler, free_port, start_worker, stop, wait_until
@@ -175,6 +176,11 @@ def test_management_rpcs(scheduler, channel, vllm, prompt_ids) -> None:
     assert (loads.dp_rank_count, load.max_total_num_tokens) == (1, stats.num_kv_blocks * BLOCK_SIZE)
     assert (load.num_running_reqs, load.num_used_tokens) == (0, 0)  # idle: cached blocks count as free
     assert load.cache_hit_rate > 0
+    metrics = scheduler.metrics
+    metrics.set_load_source(lambda: LoadReport.of(scheduler.engine.worker_stats()))
+    labels = {"worker": scheduler.worker_address, "block_size": str(BLOCK_SIZE),
+              "num_gpu_blocks": str(stats.num_kv_blocks)}
+    assert metrics.registry.get_sample_value("nanovllm_cache_config_info", labels) == 1  # what llm-d's picker reads
     with pytest.raises(grpc.RpcError) as error:
         vllm.Embed(vllm_engine_pb2.EmbedRequest(), timeout=10)
     assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED and "Embed" in error.value.details()
