@@ -1,0 +1,194 @@
+"""The real Shepherd Model Gateway (`smg launch`, smg 1.13.0) in front of `nanovllm serve` on a tiny
+model: the gateway registers it over `vllm.grpc.engine.VllmEngine` and the official `openai` client,
+through the gateway's OpenAI-compatible HTTP API, gets the answers our own API gives."""
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+
+from common.client import GenerationClient
+from tests.metrics_scrape import scrape
+from tests.services_harness import cli, free_port, stop, wait_until
+from tests.tiny_models import make_tiny_checkpoint, save_tiny_bpe_tokenizer
+
+MODEL_NAME = "tiny"
+SERVE_OPTIONS = ["--device", "cpu", "--block-size", "16", "--num-kv-blocks", "256", "--max-model-len", "1024",
+                 "--served-model-name", MODEL_NAME]
+PROMPT = "The quick brown fox"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@dataclass
+class Replica:
+    process: subprocess.Popen
+    port: int
+    metrics_port: int
+    client: GenerationClient
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum over the samples of name that carry labels (gauges have one per worker)."""
+        wanted = set(labels.items())
+        return sum(number for (sample, sample_labels), number in scrape(self.metrics_port).items()
+                   if sample == name and wanted <= sample_labels)
+
+
+@contextlib.contextmanager
+def replica(model: Path) -> Iterator[Replica]:
+    """`nanovllm serve` on model with a metrics port, ready."""
+    port, metrics_port = free_port(), free_port()
+    process = cli("serve", "--model", str(model), "--port", str(port), "--metrics-port", str(metrics_port),
+                  *SERVE_OPTIONS)
+    client = GenerationClient(f"127.0.0.1:{port}", timeout=60)
+    try:
+        client.wait_ready(timeout=120)
+        yield Replica(process, port, metrics_port, client)
+    finally:
+        client.close()
+        stop(process)
+
+
+@contextlib.contextmanager
+def gateway(log: Path, *worker_ports: int, policy: str = "round_robin") -> Iterator[openai.OpenAI]:
+    """`smg launch` in front of the workers, on loopback and free ports, once it lists the model; an
+    openai client of it. A gateway that does not come up fails the test with its last log lines."""
+    port = free_port()
+    command = [sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(port),
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--policy", policy,
+               "--worker-urls", *[f"grpc://127.0.0.1:{p}" for p in worker_ports]]
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=60, max_retries=0)
+    try:
+        deadline = time.monotonic() + 60
+        while not _lists_model(client, len(worker_ports)):
+            if process.poll() is not None or time.monotonic() > deadline:
+                tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+                pytest.fail(f"the gateway did not list {MODEL_NAME} (exit status {process.poll()}):\n{tail}")
+            time.sleep(0.1)
+        yield client
+    finally:
+        client.close()
+        process.kill()  # SIGTERM would keep its listener open for a 5 s load-balancer settle window
+        process.wait()
+
+
+def _lists_model(client: openai.OpenAI, num_workers: int) -> bool:
+    try:
+        return [m.id for m in client.models.list().data] == [MODEL_NAME]
+    except openai.APIError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = make_tiny_checkpoint(tmp_path_factory.mktemp("gateway"), "qwen3", max_position_embeddings=1024)
+    return save_tiny_bpe_tokenizer(folder)
+
+
+@pytest.fixture(scope="module")
+def served(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Replica, openai.OpenAI]]:
+    with replica(model) as ours, gateway(tmp_path_factory.mktemp("gateway_log") / "smg.log", ours.port) as client:
+        yield ours, client
+
+
+def same_text(gateway_text: str, ours: str) -> bool:
+    """Ours renders a trailing incomplete UTF-8 sequence (the tiny model's random byte tokens) as
+    U+FFFD; the gateway withholds it. Anything else must be identical."""
+    return gateway_text == ours or gateway_text == ours.rstrip("\ufffd")
+
+
+def test_models_lists_the_served_model(served: tuple[Replica, openai.OpenAI]) -> None:
+    _, client = served
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 12])
+def test_completion_is_our_greedy_answer_with_its_usage(served: tuple[Replica, openai.OpenAI],
+                                                        max_tokens: int) -> None:
+    ours, client = served
+    expected = ours.client.generate(PROMPT, max_tokens=max_tokens, temperature=0)
+    answer = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=max_tokens, temperature=0)
+    assert answer.model == MODEL_NAME
+    (choice,) = answer.choices
+    assert same_text(choice.text, expected.text), (choice.text, expected.text)
+    assert choice.finish_reason == "length"
+    assert answer.usage is not None
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens, answer.usage.total_tokens) == (
+        expected.usage.prompt_tokens, max_tokens, expected.usage.prompt_tokens + max_tokens)
+
+
+def test_streamed_completion_is_our_streamed_answer(served: tuple[Replica, openai.OpenAI]) -> None:
+    ours, client = served
+    expected = "".join(d.text for d in ours.client.stream(PROMPT, max_tokens=12, temperature=0))
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert same_text("".join(c.text for chunk in chunks for c in chunk.choices), expected)
+    assert [c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason] == ["length"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+
+
+def test_chat_is_our_chat_answer_streamed_or_not(served: tuple[Replica, openai.OpenAI]) -> None:
+    ours, client = served
+    expected = ours.client.generate(messages=MESSAGES, max_tokens=10, temperature=0)
+    answer = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=10, temperature=0)
+    assert same_text(answer.choices[0].message.content or "", expected.text)
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.choices[0].finish_reason == "length"
+    assert answer.usage is not None
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (expected.usage.prompt_tokens, 10)
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=10,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert same_text("".join(c.delta.content or "" for chunk in chunks for c in chunk.choices), expected.text)
+    assert chunks[-1].usage is not None
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (
+        expected.usage.prompt_tokens, 10)
+
+
+def test_a_stop_string_ends_the_answer_as_ours(served: tuple[Replica, openai.OpenAI]) -> None:
+    ours, client = served
+    text = ours.client.generate(PROMPT, max_tokens=16, temperature=0).text
+    # A printable ASCII character of the answer, after its start and first there: the answer stops before it.
+    stop = next(ch for i, ch in enumerate(text) if i >= 2 and ch.isascii() and ch.isprintable()
+                and ch not in text[:i])
+    expected = ours.client.generate(PROMPT, max_tokens=16, temperature=0, stop=[stop])
+    assert expected.text == text[:text.index(stop)]
+    answer = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop])
+    assert same_text(answer.choices[0].text, expected.text)
+    assert answer.choices[0].finish_reason == "stop"
+    assert answer.usage is not None and answer.usage.completion_tokens == expected.usage.completion_tokens
+
+
+@pytest.mark.parametrize(("parameter", "bad"), [("n", 2), ("temperature", -1.0), ("top_p", 2.0)])
+def test_a_bad_parameter_is_a_400_naming_it(served: tuple[Replica, openai.OpenAI], parameter: str,
+                                            bad: float) -> None:
+    _, client = served
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, **{parameter: bad})
+    assert parameter in str(error.value)
+
+
+def test_a_client_leaving_mid_stream_aborts_the_request_and_frees_its_blocks(
+        served: tuple[Replica, openai.OpenAI]) -> None:
+    ours, client = served
+    aborted = ours.metric("nanovllm_request_success_total", finish_reason="aborted")
+    stream = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=1000, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    assert ours.metric("nanovllm_num_requests_running") == 1
+    stream.close()  # the HTTP connection goes: the gateway sends Abort
+
+    def cleaned_up() -> bool:
+        return (ours.metric("nanovllm_request_success_total", finish_reason="aborted") == aborted + 1
+                and ours.metric("nanovllm_num_requests_running") == 0
+                and ours.metric("nanovllm_kv_cache_usage_ratio") == 0)
+
+    wait_until(cleaned_up, 15, "the abandoned request aborted and its KV blocks freed")
