@@ -4,9 +4,12 @@ through the gateway's OpenAI-compatible HTTP API, gets the answers our own API g
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,10 +71,11 @@ def gateway(log: Path, *worker_ports: int, policy: str = "round_robin") -> Itera
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=60, max_retries=0)
     try:
         deadline = time.monotonic() + 60
-        while not _lists_model(client, len(worker_ports)):
+        while not _serves(client, port, len(worker_ports)):
             if process.poll() is not None or time.monotonic() > deadline:
                 tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
-                pytest.fail(f"the gateway did not list {MODEL_NAME} (exit status {process.poll()}):\n{tail}")
+                pytest.fail(f"the gateway did not list {MODEL_NAME} on {len(worker_ports)} ready workers "
+                            f"(exit status {process.poll()}):\n{tail}")
             time.sleep(0.1)
         yield client
     finally:
@@ -80,11 +84,16 @@ def gateway(log: Path, *worker_ports: int, policy: str = "round_robin") -> Itera
         process.wait()
 
 
-def _lists_model(client: openai.OpenAI, num_workers: int) -> bool:
+def _serves(client: openai.OpenAI, port: int, num_workers: int) -> bool:
+    """The gateway lists the model, and its /workers (smg's own API) num_workers ready ones."""
     try:
-        return [m.id for m in client.models.list().data] == [MODEL_NAME]
-    except openai.APIError:
+        if [m.id for m in client.models.list().data] != [MODEL_NAME]:
+            return False
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/workers", timeout=5) as response:
+            workers = json.load(response)["workers"]
+    except (openai.APIError, OSError, ValueError):
         return False
+    return sum(w["is_healthy"] and w["status"] == "ready" for w in workers) == num_workers
 
 
 @pytest.fixture(scope="module")
@@ -192,3 +201,43 @@ def test_a_client_leaving_mid_stream_aborts_the_request_and_frees_its_blocks(
                 and ours.metric("nanovllm_kv_cache_usage_ratio") == 0)
 
     wait_until(cleaned_up, 15, "the abandoned request aborted and its KV blocks freed")
+
+
+def test_two_replicas_share_the_load_and_the_survivor_serves_when_one_dies(model: Path, tmp_path: Path) -> None:
+    with replica(model) as first, replica(model) as second, gateway(tmp_path / "smg.log", first.port, second.port,
+                                                                    policy="round_robin") as client:
+        def complete() -> str:
+            answer = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0)
+            return answer.choices[0].finish_reason
+
+        assert [complete() for _ in range(6)] == ["length"] * 6
+        served = [r.metric("nanovllm_request_success_total") for r in (first, second)]
+        assert sum(served) == 6 and min(served) >= 2, served
+
+        # Requests keep coming from another thread while the first replica is killed (serve and, with
+        # it, its worker): a request under way there may fail; every one sent after must succeed.
+        outcomes: list[tuple[float, str]] = []  # (time sent, finish reason or the error)
+        stop_sending = threading.Event()
+
+        def send() -> None:
+            while not stop_sending.is_set():
+                sent = time.monotonic()
+                try:
+                    outcomes.append((sent, complete()))
+                except openai.APIError as error:
+                    outcomes.append((sent, repr(error)))
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        try:
+            wait_until(lambda: len(outcomes) >= 4, 30, "requests through the gateway")
+            first.process.kill()
+            first.process.wait()
+            killed = time.monotonic()
+            wait_until(lambda: sum(sent > killed for sent, _ in outcomes) >= 10, 60, "requests after the kill")
+        finally:
+            stop_sending.set()
+            sender.join(timeout=70)
+        after = [outcome for sent, outcome in outcomes if sent > killed]
+        assert after == ["length"] * len(after)
+        assert second.metric("nanovllm_request_success_total") >= served[1] + len(after)
