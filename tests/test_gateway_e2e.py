@@ -1,6 +1,11 @@
 """The real Shepherd Model Gateway (`smg launch`, smg 1.13.0) in front of `nanovllm serve` on a tiny
 model: the gateway registers it over `vllm.grpc.engine.VllmEngine` and the official `openai` client,
-through the gateway's OpenAI-compatible HTTP API, gets the answers our own API gives."""
+through the gateway's OpenAI-compatible HTTP API, gets the answers our own API gives; two replicas
+behind one gateway share requests and the survivor serves when one dies.
+
+Answers are compared by text and token counts: smg's /v1/completions takes string prompts only and
+returns no token ids. smg 1.13.0 dials gRPC workers in plaintext and without an API key, so mTLS and
+keys between it and us are not tested here (the last test shows the key refusal)."""
 from __future__ import annotations
 
 import contextlib
