@@ -1,13 +1,16 @@
 """Throughput on the reference offline workload: in-process (the offline LLM) and through the gRPC
 services (worker and scheduler processes started by the `nanovllm` CLI, all requests sent at once
 by an asyncio client; the scheduler records and serves its Prometheus metrics, except in
-grpc-no-metrics), and the first 32 requests through transformers' continuous batching.
+grpc-no-metrics), the same services through the public port's vllm.grpc.engine.VllmEngine.Generate
+(vllm-grpc: the dialect of the Shepherd Model Gateway, the same token ids), and the first 32
+requests through transformers' continuous batching.
 
     python bench/throughput.py --model random-qwen3-0.6b            # on a GPU: the reference run
     python bench/throughput.py --model PATH --num-seqs 16 --max-input-len 128 --max-output-len 64
     python bench/throughput.py --model random-qwen3-8b --modes inprocess --tensor-parallel-size 2 --itl-tokens 256
     python bench/throughput.py --modes grpc --num-workers 2    # data parallelism: one GPU per worker
     python bench/throughput.py --modes grpc,grpc-no-metrics    # what recording the metrics costs
+    python bench/throughput.py --modes inprocess,grpc,vllm-grpc --hf-num-seqs 0   # our API vs VllmEngine
 
 Each mode runs in its own process (so that each has the whole GPU); output tok/s counts output
 tokens over wall time, prefill included, after a warm-up. The last lines are a table.
@@ -39,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="checkpoint path, or random-qwen3-0.6b / random-qwen3-8b (built under --work-dir)")
     parser.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "nanovllm-bench"))
     parser.add_argument("--modes", default="inprocess,grpc,hf",
-                        help="comma-separated: inprocess, grpc, grpc-no-metrics, hf")
+                        help="comma-separated: inprocess, grpc, grpc-no-metrics, vllm-grpc, hf")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--max-input-len", type=int, default=1024)
     parser.add_argument("--max-output-len", type=int, default=1024)
@@ -81,7 +84,10 @@ def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[int]]:
 def timed_slices(args: argparse.Namespace) -> dict[str, tuple[list[list[int]], list[int]]]:
     """(prompts, max_tokens) of the timed runs: all requests, and the first --hf-num-seqs ("hf_slice")."""
     prompts, max_tokens = workload(args)
-    return {"all": (prompts, max_tokens), "hf_slice": (prompts[:args.hf_num_seqs], max_tokens[:args.hf_num_seqs])}
+    slices = {"all": (prompts, max_tokens)}
+    if args.hf_num_seqs:  # 0: no slice (--hf-num-seqs 0 with no hf mode)
+        slices["hf_slice"] = (prompts[:args.hf_num_seqs], max_tokens[:args.hf_num_seqs])
+    return slices
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -142,13 +148,14 @@ def run_grpc(args: argparse.Namespace, model: str) -> dict:
     workers = [_start_worker(args, model, worker_port, index if args.num_workers > 1 else None)
                for index, worker_port in enumerate(worker_ports)]
     addresses = ",".join(f"127.0.0.1:{worker_port}" for worker_port in worker_ports)
-    metrics_port = free_port() if args.run_mode == "grpc" else 0  # 0: no recording
+    metrics_port = 0 if args.run_mode == "grpc-no-metrics" else free_port()  # 0: no recording
     scheduler = cli("scheduler", "--worker", addresses, "--port", str(port), "--metrics-port", str(metrics_port),
                     "--max-num-seqs", str(args.max_num_seqs),
                     "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                     "--num-decode-steps", str(args.num_decode_steps))
+    client = _vllm_engine_client if args.run_mode == "vllm-grpc" else _grpc_client
     try:
-        return asyncio.run(_grpc_client(args, f"127.0.0.1:{port}"))
+        return asyncio.run(client(args, f"127.0.0.1:{port}"))
     finally:
         stop(scheduler)
         for worker in workers:
@@ -193,6 +200,40 @@ async def _grpc_client(args: argparse.Namespace, target: str) -> dict:
             responses = await asyncio.gather(*(stub.Generate(r) for r in requests))
             elapsed = time.perf_counter() - started
             results[name] = {"output_tokens": sum(len(r.token_ids) for r in responses), "seconds": elapsed}
+        return results
+
+
+async def _vllm_engine_client(args: argparse.Namespace, target: str) -> dict:
+    """The same requests through vllm.grpc.engine.VllmEngine.Generate, unary (stream false: one
+    complete with every output id), as the grpc mode's TextGeneration.Generate."""
+    import grpc
+    from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+    from common.client import GenerationClient
+    from common.net.grpc_options import channel_options
+
+    def request(prompt: list[int], max_tokens: int, temperature: float) -> vllm_engine_pb2.GenerateRequest:
+        return vllm_engine_pb2.GenerateRequest(
+            tokenized=vllm_engine_pb2.TokenizedInput(input_ids=prompt), stream=False,
+            sampling_params=vllm_engine_pb2.SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                                                           ignore_eos=True))
+
+    async def generate(stub: vllm_engine_pb2_grpc.VllmEngineStub, message: vllm_engine_pb2.GenerateRequest) -> int:
+        (response,) = [r async for r in stub.Generate(message)]
+        return len(response.complete.output_ids)
+
+    with GenerationClient(target) as client:
+        client.wait_ready(timeout=600)
+    async with grpc.aio.insecure_channel(target, options=channel_options()) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        await asyncio.gather(*(generate(stub, request([1] * 100, 16, 1.0)) for _ in range(8)))
+        results = {}
+        for name, (prompts, max_tokens) in timed_slices(args).items():
+            requests = [request(p, m, args.temperature) for p, m in zip(prompts, max_tokens, strict=True)]
+            started = time.perf_counter()
+            counts = await asyncio.gather(*(generate(stub, r) for r in requests))
+            elapsed = time.perf_counter() - started
+            results[name] = {"output_tokens": sum(counts), "seconds": elapsed}
         return results
 
 
@@ -275,12 +316,12 @@ def tok_s(entry: dict | None) -> float | None:
 
 def report(args: argparse.Namespace, results: dict, bandwidth: float | None) -> None:
     rows = []
-    for mode in ("inprocess", "grpc", "grpc-no-metrics"):
+    for mode in ("inprocess", "grpc", "grpc-no-metrics", "vllm-grpc"):
         if results.get(mode):
             entry = results[mode]["all"]
             rows.append((f"{mode}, {args.num_seqs} requests", entry["output_tokens"], entry["seconds"], tok_s(entry)))
-    for mode in ("inprocess", "grpc", "grpc-no-metrics", "hf"):
-        if results.get(mode):
+    for mode in ("inprocess", "grpc", "grpc-no-metrics", "vllm-grpc", "hf"):
+        if results.get(mode) and "hf_slice" in results[mode]:
             entry = results[mode]["hf_slice"]
             label = "transformers CB" if mode == "hf" else mode
             rows.append((f"{label}, first {args.hf_num_seqs}", entry["output_tokens"], entry["seconds"], tok_s(entry)))
@@ -299,9 +340,11 @@ def report(args: argparse.Namespace, results: dict, bandwidth: float | None) -> 
               f"of kernel time, over {prof['wall_s']:.2f} s wall")
     if inproc and grpc_:
         print(f"gRPC / in-process: {tok_s(grpc_['all']) / tok_s(inproc['all']):.3f}")
+    if grpc_ and results.get("vllm-grpc"):
+        print(f"VllmEngine.Generate / our Generate: {tok_s(results['vllm-grpc']['all']) / tok_s(grpc_['all']):.4f}")
     if grpc_ and results.get("grpc-no-metrics"):
         print(f"gRPC with metrics / without: {tok_s(grpc_['all']) / tok_s(results['grpc-no-metrics']['all']):.4f}")
-    if inproc and results.get("hf"):
+    if inproc and results.get("hf") and "hf_slice" in inproc:
         print(f"ours / transformers CB (first {args.hf_num_seqs}): "
               f"{tok_s(inproc['hf_slice']) / tok_s(results['hf']['hf_slice']):.1f}x")
     if bandwidth and inproc and args.model == "random-qwen3-0.6b":
@@ -315,7 +358,8 @@ def main() -> int:
     args = parse_args(argv)
     model = resolve_model(args)
     if args.run_mode:
-        runners = {"inprocess": run_inprocess, "grpc": run_grpc, "grpc-no-metrics": run_grpc, "hf": run_hf}
+        runners = {"inprocess": run_inprocess, "grpc": run_grpc, "grpc-no-metrics": run_grpc, "vllm-grpc": run_grpc,
+                   "hf": run_hf}
         runner = runners[args.run_mode]
         print(RESULT_PREFIX + json.dumps(runner(args, model)), flush=True)
         return 0
