@@ -72,8 +72,11 @@ def epp_config() -> dict:
 
 
 def extractor_specs() -> dict[str, str]:
-    [extractor] = [p for p in epp_config()["plugins"] if p["type"] == "model-server-protocol-metrics"]
-    return extractor["parameters"]
+    """The metric specs of the engine the EPP's core-metrics-extractor maps every pod to."""
+    [extractor] = [p for p in epp_config()["plugins"] if p["type"] == "core-metrics-extractor"]
+    parameters = extractor["parameters"]
+    [engine] = [e for e in parameters["engineConfigs"] if e["name"] == parameters["defaultEngine"]]
+    return {key: value for key, value in engine.items() if key.endswith("Spec")}
 
 
 def mounted_secret_files(component: str) -> dict[str, tuple[str, str]]:
@@ -187,9 +190,13 @@ def test_args_hold_no_secret_value(tmp_path: Path) -> None:
 def test_the_picker_names_our_metrics() -> None:
     specs = extractor_specs()
     assert {name: specs[name] for name in OUR_METRICS} == OUR_METRICS
-    plugin_types = {plugin["type"] for plugin in epp_config()["plugins"]}
-    referenced = {ref["pluginRef"] for profile in epp_config()["schedulingProfiles"] for ref in profile["plugins"]}
-    assert referenced <= plugin_types
+    assert extractor_specs()["loraSpec"] == ""  # no LoRA metric: the vLLM default would be looked for
+    config = epp_config()
+    plugin_types = {plugin["type"] for plugin in config["plugins"]}
+    referenced = {ref["pluginRef"] for profile in config["schedulingProfiles"] for ref in profile["plugins"]}
+    for source in config["dataLayer"]["sources"]:
+        referenced |= {source["pluginRef"], *(extractor["pluginRef"] for extractor in source["extractors"])}
+    assert referenced <= plugin_types and "dataLayer" in config["featureGates"]
 
 
 def translated(args: list[str], replacements: dict[str, str]) -> list[str]:
@@ -243,7 +250,7 @@ def test_the_worker_port_answers_health_in_plaintext_without_credentials(live: d
 def test_every_metric_the_picker_reads_is_in_the_live_metrics(live: dict) -> None:
     samples = scrape(int(live["ports"]["8000"]))
     for spec in extractor_specs().values():
-        if not isinstance(spec, str) or not spec.startswith("nanovllm_"):
+        if not spec:
             continue
         name = spec.split("{", 1)[0]
         assert name in {sample for sample, _ in samples}, f"{name} not in /metrics"
