@@ -1,1 +1,2 @@
-"""The public gRPC API: the servicer, conversions, statuses, the tokenizer, request records, reflection."""
+"""The public gRPC API: the servicer, conversions, statuses, the tokenizer, request records, reflection;
+vllm/: the VllmEngine dialect for gateways."""

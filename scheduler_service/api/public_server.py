@@ -1,4 +1,4 @@
-"""The public gRPC server: the TextGeneration service, vllm.grpc.engine.VllmEngine (api/vllm_engine.py,
+"""The public gRPC server: the TextGeneration service, vllm.grpc.engine.VllmEngine (api/vllm/,
 for gateways), grpc.health.v1 and server reflection.
 
 The servicer is thin: it converts a request (request_conversion), makes one engine call and
@@ -43,8 +43,8 @@ from scheduler_service.api.response_conversion import (
     stream_response,
 )
 from scheduler_service.api.statuses import STATUSES
-from scheduler_service.api.vllm_engine import SERVICE_NAME as VLLM_SERVICE_NAME
-from scheduler_service.api.vllm_engine import VllmEngineServicer
+from scheduler_service.api.vllm.servicer import SERVICE_NAME as VLLM_SERVICE_NAME
+from scheduler_service.api.vllm.servicer import VllmEngineServicer
 from scheduler_service.core.errors import EngineUnavailableError, RequestError
 from scheduler_service.core.outputs import EngineStats, RequestOutput
 from scheduler_service.observe.load_report import LoadReport

@@ -30,7 +30,7 @@ from common.net.ports import (
 from scheduler_service.api.public_server import SERVICE_NAME
 from scheduler_service.api.response_conversion import default_served_name
 from scheduler_service.api.tokenizer import load_tokenizer
-from scheduler_service.api.vllm_engine import SERVICE_NAME as VLLM_SERVICE_NAME
+from scheduler_service.api.vllm.servicer import SERVICE_NAME as VLLM_SERVICE_NAME
 from scheduler_service.observe.metrics import ServiceMetrics
 from scheduler_service.observe.metrics_server import MetricsServer
 from tests.grpcurl_tools import GRPCURL

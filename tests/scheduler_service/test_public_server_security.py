@@ -18,7 +18,7 @@ from common.contract.config import PublicServerConfig
 from common.security.api_keys import ApiKeys
 from scheduler_service.api.public_server import SERVICE_NAME
 from scheduler_service.api.tokenizer import load_tokenizer
-from scheduler_service.api.vllm_engine import SERVICE_NAME as VLLM_SERVICE_NAME
+from scheduler_service.api.vllm.servicer import SERVICE_NAME as VLLM_SERVICE_NAME
 from tests.certificates import CertificateAuthority, replace_file
 from tests.grpcurl_tools import GRPCURL, json_messages
 from tests.scheduler_service.public_server_harness import FakeEngine, ServerThread, save_tiny_tokenizer

@@ -12,8 +12,8 @@ from pathlib import Path
 import gguf
 from tokenizers import Tokenizer as BackendTokenizer
 
-from scheduler_service.api import tokenizer_bundle
 from scheduler_service.api.tokenizer import GGUF_CONTROL_TOKEN_TYPE, tokenizer_from_gguf
+from scheduler_service.api.vllm import tokenizer_bundle
 from tests.tiny_models import TINY_CHAT_TEMPLATE, save_tiny_bpe_tokenizer
 
 TEXT = "The quick brown fox <|user|> says ça coûte combien?"

@@ -20,9 +20,9 @@ from tokenizers import Tokenizer as BackendTokenizer
 from common.contract.config import PublicServerConfig
 from common.generated.nanovllm.generate.v1 import generate_pb2, generate_pb2_grpc
 from common.security.api_keys import ApiKeys
-from scheduler_service.api.kv_events import signed_hash
 from scheduler_service.api.tokenizer import load_tokenizer
-from scheduler_service.api.vllm_engine import SERVICE_NAME
+from scheduler_service.api.vllm.kv_events import signed_hash
+from scheduler_service.api.vllm.servicer import SERVICE_NAME
 from scheduler_service.core.block_manager import NO_PARENT_HASH, chain_hash
 from scheduler_service.observe.load_report import LoadReport
 from tests.certificates import CertificateAuthority

@@ -1,8 +1,8 @@
 """vllm.grpc.engine.VllmEngine on the public port: the dialect of the Shepherd Model Gateway (smg)
 and llm-d's endpoint picker, beside our own TextGeneration and on the same engine.
 
-Thin, as TextGenerationServicer: convert (vllm_requests), one engine call, convert back
-(vllm_responses); the same interceptors (TLS, API keys, admission limit, status mapping), the same
+Thin, as TextGenerationServicer: convert (request_conversion), one engine call, convert back
+(response_conversion); the same interceptors (TLS, API keys, admission limit, status mapping), the same
 RequestRecord (metrics, one log line per request) and the same tokenizer thread.
 
 What the gateway expects beyond the proto (read in smg's source, model_gateway/ and crates/grpc_client/):
@@ -34,12 +34,12 @@ import grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from common.contract.sampling_params import SamplingParams
-from scheduler_service.api import tokenizer_bundle
-from scheduler_service.api import vllm_requests as convert
-from scheduler_service.api.abort_handles import AbortHandles
-from scheduler_service.api.kv_events import KvEvents
 from scheduler_service.api.request_record import RequestRecord
-from scheduler_service.api.vllm_responses import (
+from scheduler_service.api.vllm import request_conversion as convert
+from scheduler_service.api.vllm import tokenizer_bundle
+from scheduler_service.api.vllm.abort_handles import AbortHandles
+from scheduler_service.api.vllm.kv_events import KvEvents
+from scheduler_service.api.vllm.response_conversion import (
     GenerateResponses,
     loads_response,
     model_info_response,
