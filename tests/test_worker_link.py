@@ -110,7 +110,9 @@ def test_a_second_claimant_and_unauthenticated_callers_change_nothing(model, wor
         # No secret, or a wrong one: UNAUTHENTICATED for every method, Describe included (no model path).
         for metadata in ((), secret_metadata("wrong-secret-0123456789")):
             for function, request in ((stub.Describe, worker_pb2.DescribeRequest()), (stub.InitCache, claim),
-                                      (stub.Step, step), (stub.Release, worker_pb2.ReleaseRequest(seq_ids=[1]))):
+                                      (stub.Step, step), (stub.Release, worker_pb2.ReleaseRequest(seq_ids=[1])),
+                                      (stub.Heartbeat, worker_pb2.HeartbeatRequest(session_id="intruder")),
+                                      (stub.EndSession, worker_pb2.EndSessionRequest(session_id="intruder"))):
                 code, details = call_code(function, request, metadata=metadata)
                 assert code == grpc.StatusCode.UNAUTHENTICATED and str(model) not in details
         assert health(port) == "SERVING"  # health stays open for container checks
@@ -121,6 +123,9 @@ def test_a_second_claimant_and_unauthenticated_callers_change_nothing(model, wor
         assert call_code(stub.Step, step, metadata=metadata)[0] == grpc.StatusCode.ABORTED
         release = worker_pb2.ReleaseRequest(seq_ids=list(range(1, 64)), session_id="intruder")
         assert call_code(stub.Release, release, metadata=metadata)[0] == grpc.StatusCode.ABORTED
+        for function, request in ((stub.Heartbeat, worker_pb2.HeartbeatRequest(session_id="intruder")),
+                                  (stub.EndSession, worker_pb2.EndSessionRequest(session_id="intruder"))):
+            assert call_code(function, request, metadata=metadata)[0] == grpc.StatusCode.ABORTED
         # A whole second scheduler: its claim is refused, it never becomes ready.
         caplog.set_level(logging.ERROR, logger="scheduler_service.lanes.worker_lane")
         second = InProcessScheduler(model, port).start()
