@@ -17,12 +17,16 @@ from typing import Any
 
 from google.protobuf.message import Message
 
+from common.contract.constraint import Constraint
 from common.contract.quoting import quote
 from common.generated.nanovllm.worker.v1 import worker_pb2
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_TOP_LOGPROBS = 20
+MAX_N = 32
+MAX_LOGIT_BIAS = 1024
+MAX_ABS_LOGIT_BIAS = 100.0
 MAX_SEED = 2**63
 # Temperatures below this sample as greedy: dividing by them can overflow float32 to inf and NaN.
 MIN_TEMPERATURE = 1e-5
@@ -46,6 +50,19 @@ def _stop_problem(stop: tuple) -> str | None:
     for text in stop:
         if not (isinstance(text, str) and 0 < len(text) <= MAX_STOP_STRING_CHARS):
             return f"each stop string must have 1..{MAX_STOP_STRING_CHARS} characters, got {quote(text)}"
+    return None
+
+
+def _logit_bias_problem(bias: tuple) -> str | None:
+    if len(bias) > MAX_LOGIT_BIAS:
+        return f"at most {MAX_LOGIT_BIAS} entries, got {len(bias)}"
+    for entry in bias:
+        token_id, value = entry if isinstance(entry, tuple) and len(entry) == 2 else (None, None)
+        if not isinstance(token_id, int) or token_id < 0:
+            return f"token ids must be >= 0, got {quote(token_id)}"
+        if not isinstance(value, int | float) or not abs(value) <= MAX_ABS_LOGIT_BIAS:
+            limit = f"[-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}]"
+            return f"biases must be in {limit}, got {quote(value)} for token {token_id}"
     return None
 
 
@@ -81,6 +98,16 @@ class SamplingParams:
     logprobs: bool = _param(False, worker="return_logprobs")
     num_top_logprobs: int = _param(0, _must(lambda v: 0 <= v <= MAX_TOP_LOGPROBS, f"in [0, {MAX_TOP_LOGPROBS}]"),
                                    public="top_logprobs")
+    # token id -> bias, sorted by id (a tuple of pairs: the object stays hashable).
+    logit_bias: tuple[tuple[int, float], ...] = _param((), _logit_bias_problem)
+    # Until this many output tokens, EOS and stop tokens may not be sampled (the scheduler sends which).
+    min_tokens: int = _param(0, _must(lambda v: v >= 0, ">= 0"))
+    # None: no prompt logprobs; else the alternatives per prompt token.
+    num_prompt_logprobs: int | None = _param(
+        None, _must(lambda v: v is None or 0 <= v <= MAX_TOP_LOGPROBS, f"in [0, {MAX_TOP_LOGPROBS}]"),
+        public="prompt_logprobs")
+    n: int = _param(1, _must(lambda v: 1 <= v <= MAX_N, f"in [1, {MAX_N}]"), worker=False)
+    constraint: Constraint | None = _param(None, worker=False)
 
     def __post_init__(self) -> None:
         for param in PARAMS:
@@ -99,6 +126,11 @@ class SamplingParams:
         if self.num_top_logprobs and not self.logprobs:
             raise ValueError(f"num_top_logprobs: needs logprobs: true (got {self.num_top_logprobs} "
                              "with logprobs: false)")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens: must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise ValueError(f"constraint: must be a Constraint, got {type(self.constraint).__name__}")
+        object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias)))
 
     # Cached: the worker reads these several times per row at every step.
     @cached_property
@@ -111,9 +143,12 @@ class SamplingParams:
         return any(getattr(self, p.name) != p.default for p in PARAMS if p.history)
 
     def to_proto(self) -> worker_pb2.SamplingParams:
-        """The worker's view: only what sampling needs; neutral values are left unset."""
-        return worker_pb2.SamplingParams(**{p.worker: getattr(self, p.name) for p in WORKER_PARAMS
-                                            if getattr(self, p.name) != p.default})
+        """The worker's view: only what sampling needs; neutral values are left unset (the scheduler
+        adds min_tokens_banned_ids, which depend on its EOS ids)."""
+        values = {p.worker: getattr(self, p.name) for p in WORKER_PARAMS if getattr(self, p.name) != p.default}
+        if self.logit_bias:
+            values["logit_bias"] = dict(self.logit_bias)
+        return worker_pb2.SamplingParams(**values)
 
     @classmethod
     def from_proto(cls, message: worker_pb2.SamplingParams) -> SamplingParams:
@@ -142,15 +177,27 @@ WORKER_PARAMS: tuple[Param, ...] = tuple(p for p in PARAMS if p.worker)
 
 def values_of(message: Message, params: tuple[Param, ...], name_of: Callable[[Param], str]) -> dict[str, Any]:
     """The parameters a protobuf message sets, by SamplingParams field name: fields with presence
-    when set, other fields (repeated, plain bool) always; repeated fields as tuples."""
+    when set, other fields (repeated, plain bool) always; repeated fields as tuples, maps as tuples
+    of (key, value) pairs. Message fields (the constraint) are left to their own conversion."""
     values: dict[str, Any] = {}
     for param in params:
         name = name_of(param)
-        if message.DESCRIPTOR.fields_by_name[name].has_presence and not message.HasField(name):
+        descriptor = message.DESCRIPTOR.fields_by_name.get(name)
+        if descriptor is None or (descriptor.message_type is not None and not _is_map(descriptor)):
+            continue
+        if descriptor.has_presence and not message.HasField(name):
             continue
         value = getattr(message, name)
-        values[param.name] = value if isinstance(value, bool | int | float | str) else tuple(value)
+        if _is_map(descriptor):
+            values[param.name] = tuple(sorted(value.items()))
+        else:
+            values[param.name] = value if isinstance(value, bool | int | float | str) else tuple(value)
     return values
+
+
+def _is_map(descriptor: Any) -> bool:
+    message_type = descriptor.message_type
+    return message_type is not None and message_type.GetOptions().map_entry
 
 
 def _as_tuple(value: object, name: str) -> tuple:

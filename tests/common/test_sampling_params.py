@@ -13,8 +13,10 @@ def test_every_parameter_travels_in_fields_of_both_protos() -> None:
     request_fields = generate_pb2.GenerateRequest.DESCRIPTOR.fields_by_name
     assert set(SAMPLING_FIELDS) == set(request_fields) - {"request_id", "text", "token_ids", "chat"}
     assert all(p.public in request_fields for p in PARAMS)
-    # The worker's message holds the parameters it needs and nothing else.
-    assert {p.worker for p in WORKER_PARAMS} == set(worker_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
+    # The worker's message holds the parameters it needs and nothing else (the ids min_tokens holds
+    # back are the scheduler's to add: they depend on its EOS ids).
+    assert {p.worker for p in WORKER_PARAMS} | {"min_tokens_banned_ids"} == set(
+        worker_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
 
 
 def test_step_conversion_round_trips_what_the_worker_needs() -> None:

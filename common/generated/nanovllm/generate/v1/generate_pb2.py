@@ -24,15 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n4common/generated/nanovllm/generate/v1/generate.proto\x12\x14nanovllm.generate.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"C\n\x0c\x43hatMessages\x12\x33\n\x08messages\x18\x01 \x03(\x0b\x32!.nanovllm.generate.v1.ChatMessage\"\xaa\x05\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x33\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1e.nanovllm.generate.v1.TokenIdsH\x00\x12\x32\n\x04\x63hat\x18\x04 \x01(\x0b\x32\".nanovllm.generate.v1.ChatMessagesH\x00\x12\x18\n\x0btemperature\x18\n \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x0b \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x0c \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\r \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0f \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x10 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\x11 \x01(\x04H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x14 \x01(\rH\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x15 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x16 \x03(\x05\x12\x12\n\nignore_eos\x18\x17 \x01(\x08\x12\x1e\n\x16include_stop_in_output\x18\x18 \x01(\x08\x12\x10\n\x08logprobs\x18\x1e \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x1f \x01(\rH\n\x88\x01\x01\x42\x08\n\x06promptB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0f\n\r_top_logprobs\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"i\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x36\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32 .nanovllm.generate.v1.TopLogprob\"\xb4\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x39\n\rfinish_reason\x18\x04 \x01(\x0e\x32\".nanovllm.generate.v1.FinishReason\x12\x1d\n\x13matched_stop_string\x18\x05 \x01(\tH\x00\x12\x1f\n\x15matched_stop_token_id\x18\x06 \x01(\x05H\x00\x12*\n\x05usage\x18\x07 \x01(\x0b\x32\x1b.nanovllm.generate.v1.Usage\x12\x34\n\x08logprobs\x18\x08 \x03(\x0b\x32\".nanovllm.generate.v1.TokenLogprobB\x0e\n\x0cmatched_stop\"\xba\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x39\n\rfinish_reason\x18\x04 \x01(\x0e\x32\".nanovllm.generate.v1.FinishReason\x12\x1d\n\x13matched_stop_string\x18\x05 \x01(\tH\x00\x12\x1f\n\x15matched_stop_token_id\x18\x06 \x01(\x05H\x00\x12*\n\x05usage\x18\x07 \x01(\x0b\x32\x1b.nanovllm.generate.v1.Usage\x12\x34\n\x08logprobs\x18\x08 \x03(\x0b\x32\".nanovllm.generate.v1.TokenLogprobB\x0e\n\x0cmatched_stop\"\x96\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x32\n\x04\x63hat\x18\x02 \x01(\x0b\x32\".nanovllm.generate.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\x9c\x02\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x18\n\x10max_stop_strings\x18\x05 \x01(\r\x12\x1d\n\x15max_stop_string_chars\x18\x06 \x01(\r\x12\x18\n\x10max_top_logprobs\x18\x07 \x01(\r\x12\x15\n\rhas_tokenizer\x18\x08 \x01(\x08\x12\x19\n\x11has_chat_template\x18\t \x01(\x08\x12\x12\n\nblock_size\x18\n \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x0b \x01(\r\"\x10\n\x0eGetLoadRequest\"\xb3\x01\n\nWorkerLoad\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x1c\n\x14num_requests_running\x18\x03 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x04 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x01\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x07 \x01(\r\"\xb3\x01\n\x0fGetLoadResponse\x12\x1c\n\x14num_requests_running\x18\x01 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x01\x12\x19\n\x11num_workers_ready\x18\x04 \x01(\r\x12\x31\n\x07workers\x18\x05 \x03(\x0b\x32 .nanovllm.generate.v1.WorkerLoad*\x9b\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x04\x32\xcf\x04\n\x0eTextGeneration\x12Y\n\x08Generate\x12%.nanovllm.generate.v1.GenerateRequest\x1a&.nanovllm.generate.v1.GenerateResponse\x12g\n\x0eGenerateStream\x12%.nanovllm.generate.v1.GenerateRequest\x1a,.nanovllm.generate.v1.GenerateStreamResponse0\x01\x12Y\n\x08Tokenize\x12%.nanovllm.generate.v1.TokenizeRequest\x1a&.nanovllm.generate.v1.TokenizeResponse\x12_\n\nDetokenize\x12\'.nanovllm.generate.v1.DetokenizeRequest\x1a(.nanovllm.generate.v1.DetokenizeResponse\x12\x65\n\x0cGetModelInfo\x12).nanovllm.generate.v1.GetModelInfoRequest\x1a*.nanovllm.generate.v1.GetModelInfoResponse\x12V\n\x07GetLoad\x12$.nanovllm.generate.v1.GetLoadRequest\x1a%.nanovllm.generate.v1.GetLoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n4common/generated/nanovllm/generate/v1/generate.proto\x12\x14nanovllm.generate.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"C\n\x0c\x43hatMessages\x12\x33\n\x08messages\x18\x01 \x03(\x0b\x32!.nanovllm.generate.v1.ChatMessage\"\xcc\x07\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x33\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1e.nanovllm.generate.v1.TokenIdsH\x00\x12\x32\n\x04\x63hat\x18\x04 \x01(\x0b\x32\".nanovllm.generate.v1.ChatMessagesH\x00\x12\x18\n\x0btemperature\x18\n \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x0b \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x0c \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\r \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0f \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x10 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\x11 \x01(\x04H\x08\x88\x01\x01\x12H\n\nlogit_bias\x18\x12 \x03(\x0b\x32\x34.nanovllm.generate.v1.GenerateRequest.LogitBiasEntry\x12\x0e\n\x01n\x18\x13 \x01(\rH\t\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x14 \x01(\rH\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x15 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x16 \x03(\x05\x12\x12\n\nignore_eos\x18\x17 \x01(\x08\x12\x1e\n\x16include_stop_in_output\x18\x18 \x01(\x08\x12\x17\n\nmin_tokens\x18\x19 \x01(\rH\x0b\x88\x01\x01\x12\x34\n\nconstraint\x18\x1a \x01(\x0b\x32 .nanovllm.generate.v1.Constraint\x12\x10\n\x08logprobs\x18\x1e \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x1f \x01(\rH\x0c\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18  \x01(\rH\r\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06promptB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seedB\x04\n\x02_nB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0f\n\r_top_logprobsB\x12\n\x10_prompt_logprobs\"\x97\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12/\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x1d.nanovllm.generate.v1.ChoicesH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"i\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x36\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32 .nanovllm.generate.v1.TopLogprob\"\xa0\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x39\n\rfinish_reason\x18\x04 \x01(\x0e\x32\".nanovllm.generate.v1.FinishReason\x12\x1d\n\x13matched_stop_string\x18\x05 \x01(\tH\x00\x12\x1f\n\x15matched_stop_token_id\x18\x06 \x01(\x05H\x00\x12*\n\x05usage\x18\x07 \x01(\x0b\x32\x1b.nanovllm.generate.v1.Usage\x12\x34\n\x08logprobs\x18\x08 \x03(\x0b\x32\".nanovllm.generate.v1.TokenLogprob\x12-\n\x07samples\x18\t \x03(\x0b\x32\x1c.nanovllm.generate.v1.Sample\x12;\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\".nanovllm.generate.v1.TokenLogprobB\x0e\n\x0cmatched_stop\"\xf9\x01\n\x06Sample\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x39\n\rfinish_reason\x18\x04 \x01(\x0e\x32\".nanovllm.generate.v1.FinishReason\x12\x1d\n\x13matched_stop_string\x18\x05 \x01(\tH\x00\x12\x1f\n\x15matched_stop_token_id\x18\x06 \x01(\x05H\x00\x12\x34\n\x08logprobs\x18\x07 \x03(\x0b\x32\".nanovllm.generate.v1.TokenLogprobB\x0e\n\x0cmatched_stop\"\x86\x03\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x39\n\rfinish_reason\x18\x04 \x01(\x0e\x32\".nanovllm.generate.v1.FinishReason\x12\x1d\n\x13matched_stop_string\x18\x05 \x01(\tH\x00\x12\x1f\n\x15matched_stop_token_id\x18\x06 \x01(\x05H\x00\x12*\n\x05usage\x18\x07 \x01(\x0b\x32\x1b.nanovllm.generate.v1.Usage\x12\x34\n\x08logprobs\x18\x08 \x03(\x0b\x32\".nanovllm.generate.v1.TokenLogprob\x12\r\n\x05index\x18\t \x01(\r\x12;\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\".nanovllm.generate.v1.TokenLogprobB\x0e\n\x0cmatched_stop\"\x96\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x32\n\x04\x63hat\x18\x02 \x01(\x0b\x32\".nanovllm.generate.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\x9a\x03\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x18\n\x10max_stop_strings\x18\x05 \x01(\r\x12\x1d\n\x15max_stop_string_chars\x18\x06 \x01(\r\x12\x18\n\x10max_top_logprobs\x18\x07 \x01(\r\x12\x15\n\rhas_tokenizer\x18\x08 \x01(\x08\x12\x19\n\x11has_chat_template\x18\t \x01(\x08\x12\x12\n\nblock_size\x18\n \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x0b \x01(\r\x12\r\n\x05max_n\x18\x0c \x01(\r\x12\x16\n\x0emax_logit_bias\x18\r \x01(\r\x12\x1e\n\x16max_grammar_compile_ms\x18\x0e \x01(\r\x12\x1c\n\x14max_constraint_bytes\x18\x0f \x01(\r\x12\x17\n\x0fhas_constraints\x18\x10 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xb3\x01\n\nWorkerLoad\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x1c\n\x14num_requests_running\x18\x03 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x04 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x01\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x07 \x01(\r\"\xb3\x01\n\x0fGetLoadResponse\x12\x1c\n\x14num_requests_running\x18\x01 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x01\x12\x19\n\x11num_workers_ready\x18\x04 \x01(\r\x12\x31\n\x07workers\x18\x05 \x03(\x0b\x32 .nanovllm.generate.v1.WorkerLoad*\x9b\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x04\x32\xcf\x04\n\x0eTextGeneration\x12Y\n\x08Generate\x12%.nanovllm.generate.v1.GenerateRequest\x1a&.nanovllm.generate.v1.GenerateResponse\x12g\n\x0eGenerateStream\x12%.nanovllm.generate.v1.GenerateRequest\x1a,.nanovllm.generate.v1.GenerateStreamResponse0\x01\x12Y\n\x08Tokenize\x12%.nanovllm.generate.v1.TokenizeRequest\x1a&.nanovllm.generate.v1.TokenizeResponse\x12_\n\nDetokenize\x12\'.nanovllm.generate.v1.DetokenizeRequest\x1a(.nanovllm.generate.v1.DetokenizeResponse\x12\x65\n\x0cGetModelInfo\x12).nanovllm.generate.v1.GetModelInfoRequest\x1a*.nanovllm.generate.v1.GetModelInfoResponse\x12V\n\x07GetLoad\x12$.nanovllm.generate.v1.GetLoadRequest\x1a%.nanovllm.generate.v1.GetLoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'common.generated.nanovllm.generate.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2759
-  _globals['_FINISHREASON']._serialized_end=2914
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=3793
+  _globals['_FINISHREASON']._serialized_end=3948
   _globals['_TOKENIDS']._serialized_start=78
   _globals['_TOKENIDS']._serialized_end=101
   _globals['_CHATMESSAGE']._serialized_start=103
@@ -40,35 +42,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=149
   _globals['_CHATMESSAGES']._serialized_end=216
   _globals['_GENERATEREQUEST']._serialized_start=219
-  _globals['_GENERATEREQUEST']._serialized_end=901
-  _globals['_USAGE']._serialized_start=903
-  _globals['_USAGE']._serialized_end=983
-  _globals['_TOPLOGPROB']._serialized_start=985
-  _globals['_TOPLOGPROB']._serialized_end=1032
-  _globals['_TOKENLOGPROB']._serialized_start=1034
-  _globals['_TOKENLOGPROB']._serialized_end=1139
-  _globals['_GENERATERESPONSE']._serialized_start=1142
-  _globals['_GENERATERESPONSE']._serialized_end=1450
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1453
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1767
-  _globals['_TOKENIZEREQUEST']._serialized_start=1770
-  _globals['_TOKENIZEREQUEST']._serialized_end=1920
-  _globals['_TOKENIZERESPONSE']._serialized_start=1922
-  _globals['_TOKENIZERESPONSE']._serialized_end=1959
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1961
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2028
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2030
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2064
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2066
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2087
-  _globals['_GETMODELINFORESPONSE']._serialized_start=2090
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2374
-  _globals['_GETLOADREQUEST']._serialized_start=2376
-  _globals['_GETLOADREQUEST']._serialized_end=2392
-  _globals['_WORKERLOAD']._serialized_start=2395
-  _globals['_WORKERLOAD']._serialized_end=2574
-  _globals['_GETLOADRESPONSE']._serialized_start=2577
-  _globals['_GETLOADRESPONSE']._serialized_end=2756
-  _globals['_TEXTGENERATION']._serialized_start=2917
-  _globals['_TEXTGENERATION']._serialized_end=3508
+  _globals['_GENERATEREQUEST']._serialized_end=1191
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=939
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=987
+  _globals['_CONSTRAINT']._serialized_start=1194
+  _globals['_CONSTRAINT']._serialized_end=1345
+  _globals['_CHOICES']._serialized_start=1347
+  _globals['_CHOICES']._serialized_end=1373
+  _globals['_USAGE']._serialized_start=1375
+  _globals['_USAGE']._serialized_end=1455
+  _globals['_TOPLOGPROB']._serialized_start=1457
+  _globals['_TOPLOGPROB']._serialized_end=1504
+  _globals['_TOKENLOGPROB']._serialized_start=1506
+  _globals['_TOKENLOGPROB']._serialized_end=1611
+  _globals['_GENERATERESPONSE']._serialized_start=1614
+  _globals['_GENERATERESPONSE']._serialized_end=2030
+  _globals['_SAMPLE']._serialized_start=2033
+  _globals['_SAMPLE']._serialized_end=2282
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2285
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2675
+  _globals['_TOKENIZEREQUEST']._serialized_start=2678
+  _globals['_TOKENIZEREQUEST']._serialized_end=2828
+  _globals['_TOKENIZERESPONSE']._serialized_start=2830
+  _globals['_TOKENIZERESPONSE']._serialized_end=2867
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2869
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2936
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2938
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2972
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2974
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2995
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2998
+  _globals['_GETMODELINFORESPONSE']._serialized_end=3408
+  _globals['_GETLOADREQUEST']._serialized_start=3410
+  _globals['_GETLOADREQUEST']._serialized_end=3426
+  _globals['_WORKERLOAD']._serialized_start=3429
+  _globals['_WORKERLOAD']._serialized_end=3608
+  _globals['_GETLOADRESPONSE']._serialized_start=3611
+  _globals['_GETLOADRESPONSE']._serialized_end=3790
+  _globals['_TEXTGENERATION']._serialized_start=3951
+  _globals['_TEXTGENERATION']._serialized_end=4542
 # @@protoc_insertion_point(module_scope)
