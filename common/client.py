@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -49,14 +49,28 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class Sample:
+    """One of the n samples of a request (n > 1)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    matched_stop: str | int | None
+    logprobs: list[TokenLogprob]
+
+
+@dataclass(frozen=True)
 class GenerationResult:
     request_id: str
     text: str
     token_ids: list[int]
     finish_reason: str  # "length", "stop", "stop_sequence" or "aborted"
     matched_stop: str | int | None  # the stop string, or the EOS / stop token id
-    usage: Usage
+    usage: Usage  # with n > 1: every sample's completion tokens, the prompt's once
     logprobs: list[TokenLogprob]
+    # The fields above are sample 0's; with n > 1, every sample in index order (sample 0 first).
+    samples: list[Sample] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -67,7 +81,8 @@ class StreamDelta:
     logprobs: list[TokenLogprob]
     finish_reason: str | None  # set on the last delta only
     matched_stop: str | int | None
-    usage: Usage | None  # set on the last delta only
+    usage: Usage | None  # set on the last delta only (of each sample: its own completion tokens)
+    index: int = 0  # the sample it belongs to (n > 1: the samples' deltas interleave)
 
 
 def build_request(prompt: str | Sequence[int] | None = None, *, messages: Iterable[Message] | None = None,
@@ -104,7 +119,8 @@ def _finish_reason(value: int) -> str | None:
     return generate_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
 
 
-def _matched_stop(message: generate_pb2.GenerateResponse | generate_pb2.GenerateStreamResponse) -> str | int | None:
+def _matched_stop(message: generate_pb2.GenerateResponse | generate_pb2.GenerateStreamResponse
+                  | generate_pb2.Sample) -> str | int | None:
     kind = message.WhichOneof("matched_stop")
     return getattr(message, kind) if kind else None
 
@@ -189,11 +205,14 @@ class GenerationClient:
         return GenerationResult(
             request_id=response.request_id, text=response.text, token_ids=list(response.token_ids),
             finish_reason=_finish_reason(response.finish_reason) or "", matched_stop=_matched_stop(response),
-            usage=_usage(response.usage), logprobs=_logprobs(response.logprobs))
+            usage=_usage(response.usage), logprobs=_logprobs(response.logprobs),
+            samples=[Sample(s.index, s.text, list(s.token_ids), _finish_reason(s.finish_reason) or "",
+                            _matched_stop(s), _logprobs(s.logprobs)) for s in response.samples])
 
     def stream(self, prompt: str | Sequence[int] | None = None, *, messages: Iterable[Message] | None = None,
                request_id: str = "", timeout: float | None = None, **sampling: object) -> Iterator[StreamDelta]:
-        """Yields deltas as they are generated; the last one has finish_reason and usage set.
+        """Yields deltas as they are generated; the last one has finish_reason and usage set (with n > 1:
+        the last of each sample, the deltas of the samples interleaved, each naming its index).
         Stopping the iteration early (break, close()) cancels the request on the server."""
         request = build_request(prompt, messages=messages, request_id=request_id, **sampling)
         call = self.stub.GenerateStream(request, timeout=self._timeout(timeout), metadata=self._metadata)
@@ -203,7 +222,7 @@ class GenerationClient:
                     request_id=message.request_id, text=message.text, token_ids=list(message.token_ids),
                     logprobs=_logprobs(message.logprobs), finish_reason=_finish_reason(message.finish_reason),
                     matched_stop=_matched_stop(message),
-                    usage=_usage(message.usage) if message.HasField("usage") else None)
+                    usage=_usage(message.usage) if message.HasField("usage") else None, index=message.index)
         finally:
             call.cancel()  # a no-op once the stream has ended
 

@@ -20,6 +20,7 @@ from common.formats.default_model import default_model_path
 from common.gc_pauses import freeze_startup_objects
 from common.generated.nanovllm.worker.v1 import worker_pb2
 from scheduler_service.api.tokenizer import eos_token_ids, load_tokenizer
+from scheduler_service.constraints import ConstraintCompiler, ConstraintState
 from scheduler_service.core.engine_core import EngineCore
 from scheduler_service.core.outputs import RequestOutput
 from scheduler_service.core.sequence import Sequence
@@ -47,6 +48,7 @@ class LLM:
         model = resolve_model(default_model_path() if model is None else model, "model")
         self.model = model  # the checkpoint's path (a hub id's snapshot folder)
         worker_config = WorkerConfig(model=model, **worker_options)
+        self._constraints: ConstraintCompiler | None = None  # made at the first constrained request
         self.worker: WorkerCore | TensorParallelCore | None = create_worker_core(worker_config)
         try:
             describe = self.worker.describe()
@@ -74,6 +76,8 @@ class LLM:
         if self.worker is not None:
             self.worker.close()
         self.worker = None  # the engine stays: its counters are still read after close()
+        if self._constraints is not None:
+            self._constraints.close()
         # Start-up froze the worker's cycles (steps and worker) out of the collector's sight (gc_pauses).
         gc.unfreeze()
         gc.collect()
@@ -100,11 +104,27 @@ class LLM:
         token_lists = [self.encode(p) for p in prompts]
         for tokens in token_lists:  # all of them before any is queued
             engine.validate(tokens)
-        sequences = [engine.add_request(t, p, self.tokenizer) for t, p in zip(token_lists, params_list, strict=True)]
+        constraints = [self._compile(p) for p in params_list]  # all of them too (cached: once per constraint)
+        sequences = [engine.add_request(t, p, self.tokenizer, c)
+                     for t, p, c in zip(token_lists, params_list, constraints, strict=True)]
         progress = _Progress(sequences, use_tqdm)
         _run_to_end(drive(engine, lambda step, ahead: _read_back(worker.launch(step.request)), progress.on_step))
         progress.bar.close()
         return [_result(seq, engine.text_of(seq)) for seq in sequences]
+
+
+    def _compile(self, params: SamplingParams) -> Callable[[], ConstraintState] | None:
+        """params' constraint compiled on this thread (within max_grammar_compile_ms), or None. Raises
+        a ValueError (RequestError) naming the field for one that cannot be served."""
+        if params.constraint is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("constraint: this checkpoint has no tokenizer")
+        if self._constraints is None:
+            self._constraints = ConstraintCompiler(self.tokenizer, self.scheduler_config.max_grammar_compile_ms)
+        served = self.engine.served
+        assert served is not None
+        return self._constraints.compile_now(params.constraint, served.vocab_size, served.eos_token_ids).new_state
 
 
 async def _read_back(pending: PendingStep) -> worker_pb2.StepResponse:

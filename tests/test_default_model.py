@@ -70,3 +70,23 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(llm: LLM) -> None:
     for chat in CHATS:
         assert llm.tokenizer.apply_chat_template(chat) == reference.apply_chat_template(
             chat, add_generation_prompt=True, tokenize=False)
+
+
+def test_the_offline_llm_takes_constrained_requests(default_llm: LLM) -> None:
+    import json
+
+    import jsonschema
+
+    from common.contract.constraint import Constraint
+
+    schema = {"type": "object", "required": ["capital"], "additionalProperties": False,
+              "properties": {"capital": {"type": "string", "maxLength": 30}}}
+    prompt = default_llm.tokenizer.apply_chat_template(CHATS[0])
+    params = [SamplingParams(temperature=0, max_tokens=40, constraint=Constraint("json_schema", json.dumps(schema))),
+              SamplingParams(temperature=0, max_tokens=40, constraint=Constraint("choice", ("Paris", "Lyon")))]
+    as_json, choice = default_llm.generate([prompt, prompt], params, use_tqdm=False)
+    jsonschema.validate(json.loads(as_json["text"]), schema)
+    assert choice["text"] in ("Paris", "Lyon")
+    assert as_json["finish_reason"] == choice["finish_reason"] == "stop"
+    with pytest.raises(ValueError, match=r"^constraint\.regex: "):
+        default_llm.generate(prompt, SamplingParams(constraint=Constraint("regex", "[a-")), use_tqdm=False)

@@ -60,6 +60,9 @@ class SchedulerConfig:
                                         flag="step-timeout")
     step_timeout_per_token_s: float = option(0.05, "seconds per token of a Step's deadline before any step was "
                                              "measured", flag="step-timeout-per-token")
+    # Compiling runs off the engine loop; past the limit the request gets INVALID_ARGUMENT (GetModelInfo says it).
+    max_grammar_compile_ms: int = option(2000, "most milliseconds one structured-output constraint (JSON schema, "
+                                         "regex, grammar, choice) may take to compile", min=1, max=600_000)
 
     def within(self, max_num_seqs: int, max_num_batched_tokens: int) -> SchedulerConfig:
         """This config with its step limits lowered to a worker's (0: the worker sets none), so that no

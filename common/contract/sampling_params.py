@@ -152,8 +152,12 @@ class SamplingParams:
 
     @classmethod
     def from_proto(cls, message: worker_pb2.SamplingParams) -> SamplingParams:
-        """The inverse of to_proto: unset fields take the defaults."""
-        return cls(**values_of(message, WORKER_PARAMS, lambda p: p.worker))
+        """The inverse of to_proto: unset fields take the defaults, but max_tokens (which never
+        travels: the worker does not stop sequences) covers min_tokens."""
+        values = values_of(message, WORKER_PARAMS, lambda p: p.worker)
+        if values.get("min_tokens", 0) > cls.max_tokens:
+            values["max_tokens"] = values["min_tokens"]
+        return cls(**values)
 
 
 @dataclass(frozen=True)

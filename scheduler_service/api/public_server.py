@@ -65,11 +65,19 @@ class Engine(Protocol):
     @property
     def is_ready(self) -> bool: ...
 
+    @property
+    def has_constraints(self) -> bool:
+        """Whether requests may carry a constraint (structured output)."""
+
+    @property
+    def max_grammar_compile_ms(self) -> int: ...
+
     def worker_stats(self) -> list[tuple[str, EngineStats]]:
         """Each lane's address and stats: running and waiting requests, KV usage."""
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
-        """Closing the generator early aborts the request and frees its KV blocks. The handlers close
+        """The request's outputs (with params.n > 1, every sample's, each tagged with its index).
+        Closing the generator early aborts the request and frees its KV blocks. The handlers close
         it as soon as they end, however they end: when the client cancels while a message is being
         sent, the generator is suspended at a yield and would keep its blocks until closed."""
 
@@ -113,7 +121,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
         request_id = convert.request_id_of(request)
         with RequestRecord(self.metrics, "Generate", request_id, context, self.served_model_name()) as record:
             prompt, params = await self._run_tokenizer(self._convert, request)
-            response = ResponseAccumulator(request_id)
+            response = ResponseAccumulator(request_id, params.n)
             async with contextlib.aclosing(self.engine.generate(prompt, params)) as outputs:
                 async for output in outputs:
                     record.on_output(output)
@@ -165,7 +173,9 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
     async def GetModelInfo(self, request: generate_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> generate_pb2.GetModelInfoResponse:
         model_info = self._model_info()
-        return model_info_response(model_info, self.engine.tokenizer, self.served_model_name() or "")
+        return model_info_response(model_info, self.engine.tokenizer, self.served_model_name() or "",
+                                   has_constraints=self.engine.has_constraints,
+                                   max_grammar_compile_ms=self.engine.max_grammar_compile_ms)
 
     async def GetLoad(self, request: generate_pb2.GetLoadRequest,
                       context: grpc.aio.ServicerContext) -> generate_pb2.GetLoadResponse:

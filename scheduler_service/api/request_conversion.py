@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from jinja2.exceptions import TemplateError
 
+from common.contract.constraint import Constraint
 from common.contract.quoting import quote
 from common.contract.sampling_params import PARAMS, SamplingParams, values_of
 from common.contract.worker_description import WorkerDescription
@@ -123,10 +124,31 @@ def sampling_params(request: generate_pb2.GenerateRequest, num_prompt_tokens: in
         raise RequestError(f"max_tokens: {request.max_tokens} + {num_prompt_tokens} prompt tokens exceed "
                            f"max_model_len {model_info.max_model_len} (at most {room})")
     check_vocabulary(list(request.stop_token_ids), "stop_token_ids", model_info.vocab_size)
+    check_vocabulary(sorted(request.logit_bias), "logit_bias", model_info.vocab_size)
+    values["constraint"] = constraint_of(request.constraint) if request.HasField("constraint") else None
     try:
         return SamplingParams(**values)
     except ValueError as exc:
         raise RequestError(_public_message(str(exc))) from exc
+
+
+def constraint_of(message: generate_pb2.Constraint) -> Constraint | None:
+    """The request's structured-output constraint; None for none (json_object: false included). Its
+    errors name the public field (`constraint.regex: must not be empty`); compiling it is the engine's."""
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        raise RequestError("constraint: set one of json_schema, json_object, regex, grammar or choice")
+    if kind == "json_object" and not message.json_object:
+        return None
+    value: str | tuple[str, ...] = ""
+    if kind == "choice":
+        value = tuple(message.choice.choices)
+    elif kind != "json_object":
+        value = getattr(message, kind)
+    try:
+        return Constraint(kind, value)
+    except ValueError as exc:
+        raise RequestError(str(exc)) from exc
 
 
 def float32_value(value: float) -> float:

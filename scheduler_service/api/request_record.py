@@ -5,6 +5,10 @@ hands it every engine output; when the call ends, however it ends (finished, an 
 client cancelled, the deadline passed), the record counts it in the metrics and logs one line:
 request id, the served model's name, the client's W3C traceparent when valid, token counts, finish
 reason or status code, TTFT, e2e and queue time. Never the prompt or the output text.
+
+A request of n samples is one request here too: one line, one count; its TTFT is the first token of
+any sample, its completion tokens those of every sample; the finish reason, prompt, cached tokens and
+queue time are sample 0's, and inter-token latencies are measured along sample 0's deltas.
 """
 from __future__ import annotations
 
@@ -79,6 +83,9 @@ class RequestRecord:
 
     def on_output(self, output: RequestOutput) -> None:
         """Per delta: kept to a clock read, an append and a few additions (about 0.5 us)."""
+        if output.index:
+            self._on_other_sample(output)
+            return
         self.last = output
         num_tokens = len(output.token_ids)
         if not num_tokens:
@@ -92,6 +99,20 @@ class RequestRecord:
         elif self.recording:
             self.inter_token_latencies.append((now - self.last_output_time) / num_tokens)
         self.last_output_time = now
+        self.num_output_tokens += num_tokens
+        if self.recording:
+            self.metrics.counters.generation_tokens += num_tokens
+
+    def _on_other_sample(self, output: RequestOutput) -> None:
+        """A delta of a sample other than sample 0: its tokens count, and its first may be the request's."""
+        num_tokens = len(output.token_ids)
+        if not num_tokens:
+            return
+        if self.first_token_time is None:
+            self.first_token_time = self.last_output_time = time.perf_counter()
+            if self.recording:
+                self.metrics.time_to_first_token.observe(self.first_token_time - self.arrival)
+                self.metrics.counters.prompt_tokens += output.num_prompt_tokens
         self.num_output_tokens += num_tokens
         if self.recording:
             self.metrics.counters.generation_tokens += num_tokens
@@ -138,7 +159,7 @@ class RequestRecord:
         if last is not None and last.finished:
             metrics.e2e_request_latency.observe(e2e)
             metrics.request_prompt_tokens.observe(last.num_prompt_tokens)
-            metrics.request_generation_tokens.observe(last.num_output_tokens)
+            metrics.request_generation_tokens.observe(self.num_output_tokens)  # every sample's
             if last.queue_time_s is not None:
                 metrics.request_queue_time.observe(last.queue_time_s)
 

@@ -50,6 +50,9 @@ class PrefixHit:
     num_in_use: int  # how many of them other sequences hold (they cost no free block)
 
 
+NO_PREFIX_HIT = PrefixHit((), (), 0)
+
+
 @dataclass(frozen=True, slots=True)
 class StoredBlock:
     """A block newly registered in the prefix cache, as a listener hears of it."""
@@ -107,7 +110,7 @@ class BlockManager:
         """The cached blocks of seq's leading full blocks. At least one token is always left to
         compute, so that the step produces logits for the next token."""
         if not self.enable_prefix_caching:
-            return PrefixHit((), (), 0)
+            return NO_PREFIX_HIT
         max_blocks = (seq.num_tokens - 1) // self.block_size
         blocks: list[Block] = []
         hashes: list[int] = []

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from itertools import groupby
 from operator import attrgetter
 
@@ -19,11 +19,15 @@ from common.contract.worker_description import WorkerDescription
 from common.generated.nanovllm.worker.v1 import worker_pb2
 from scheduler_service.core.block_manager import BlockListener, BlockManager
 from scheduler_service.core.detokenizer import IncrementalDetokenizer, TokenDecoder
-from scheduler_service.core.errors import QueueFullError, RequestError
+from scheduler_service.core.errors import QueueFullError
 from scheduler_service.core.outputs import EngineStats, RequestOutput, merged
+from scheduler_service.core.prompt_logprobs import PromptLogprobs
+from scheduler_service.core.request_checks import check_prompt, check_token_ids
+from scheduler_service.core.samples import sample_params
 from scheduler_service.core.scheduler import Scheduler
-from scheduler_service.core.sequence import FinishReason, Sequence
+from scheduler_service.core.sequence import FinishReason, Sequence, TokenConstraint
 from scheduler_service.core.step_builder import InFlightStep, build_step
+from scheduler_service.core.stop_conditions import first_stop
 
 logger = logging.getLogger(__name__)
 _SEQ_ID_OF = attrgetter("seq_id")
@@ -43,6 +47,7 @@ class EngineCore:
         self._past_counts = (0, 0, 0)  # prefix queries, hits, preemptions of earlier workers
         self._next_step_id = 1
         self._block_listener: BlockListener | None = None
+        self._failed_seq_ids: list[int] = []  # failed by a forbidden token since last taken
 
     def set_block_listener(self, listener: BlockListener | None) -> None:
         """Who hears this lane's prefix cache change (the block pools of later workers too)."""
@@ -110,24 +115,22 @@ class EngineCore:
             raise RuntimeError("no worker was attached yet")
         return self.served.max_model_len
 
-    def validate(self, prompt_token_ids: list[int]) -> None:
-        """Raises RequestError for a prompt that can never be served. max_model_len is capped at the
-        KV cache's capacity, so a prompt within it also fits in the cache."""
-        num_prompt, max_model_len = len(prompt_token_ids), self.max_model_len
-        if num_prompt == 0:
-            raise RequestError("prompt: must not be empty")
-        if num_prompt >= max_model_len:
-            raise RequestError(f"prompt: {num_prompt} tokens, the limit is {max_model_len - 1} "
-                               f"(max_model_len {max_model_len} minus one generated token)")
-        vocab_size = self.served.vocab_size  # type: ignore[union-attr]
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise RequestError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})")
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
+        """Raises RequestError for a prompt (or parameters) that can never be served (request_checks)."""
+        check_prompt(prompt_token_ids, self.max_model_len, self.served.vocab_size)  # type: ignore[union-attr]
+        if params is not None:
+            check_token_ids(params, self.served.vocab_size)  # type: ignore[union-attr]
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    tokenizer: TokenDecoder | None = None) -> Sequence:
-        """Queues a request; with a tokenizer its outputs carry text."""
-        self.validate(prompt_token_ids)
+                    tokenizer: TokenDecoder | None = None,
+                    constraint: Callable[[], TokenConstraint] | None = None, *,
+                    leader: Sequence | None = None, sample_index: int = 0) -> Sequence:
+        """Queues a request; with a tokenizer its outputs carry text. constraint: params.constraint
+        compiled (scheduler_service/constraints/ CompiledConstraint.new_state), required with one.
+        leader, sample_index: of a sample other than the first (add_samples)."""
+        self.validate(prompt_token_ids, params)
+        if (params.constraint is None) != (constraint is None):
+            raise RuntimeError("add_request: a constraint comes compiled, and only with params.constraint")
         scheduler = self._attached_scheduler()
         if scheduler.num_unfinished >= self.config.max_queue_size:
             raise QueueFullError(f"queue: full ({self.config.max_queue_size} requests)")
@@ -135,9 +138,31 @@ class EngineCore:
         if tokenizer is not None:
             detokenizer = IncrementalDetokenizer(tokenizer, list(prompt_token_ids), params.stop,
                                                  params.include_stop_in_output)
-        seq = Sequence(list(prompt_token_ids), params, detokenizer=detokenizer)
+        prompt_logprobs = PromptLogprobs(len(prompt_token_ids)) if params.num_prompt_logprobs is not None else None
+        seq = Sequence(list(prompt_token_ids), params, detokenizer=detokenizer,
+                       constraint_state=constraint() if constraint is not None else None,
+                       prompt_logprobs=prompt_logprobs, leader=leader, sample_index=sample_index)
         scheduler.add(seq)
         return seq
+
+    def add_samples(self, prompt_token_ids: list[int], params: SamplingParams,
+                    tokenizer: TokenDecoder | None = None,
+                    constraint: Callable[[], TokenConstraint] | None = None) -> list[Sequence]:
+        """Queues a request of params.n samples (core/samples.py): n sequences, sample 0 first, each
+        with its own parameters, detokenizer and stop state; the others are admitted once sample 0's
+        prompt is in the prefix cache. All or none are queued."""
+        if params.n == 1:
+            return [self.add_request(prompt_token_ids, params, tokenizer, constraint)]
+        self.validate(prompt_token_ids, params)
+        if self._attached_scheduler().num_unfinished + params.n > self.config.max_queue_size:
+            raise QueueFullError(f"queue: full ({self.config.max_queue_size} requests; this one has {params.n} "
+                                 "samples)")
+        leader = self.add_request(prompt_token_ids, sample_params(params, 0), tokenizer, constraint)
+        sequences = [leader]
+        for index in range(1, params.n):
+            sequences.append(self.add_request(prompt_token_ids, sample_params(params, index), tokenizer, constraint,
+                                              leader=leader, sample_index=index))
+        return sequences
 
     def abort(self, seq: Sequence) -> None:
         """Stops a sequence now: its blocks return to the pool, the worker forgets it next step."""
@@ -164,6 +189,12 @@ class EngineCore:
     def take_released_seq_ids(self) -> list[int]:
         """Ids the worker should forget now (used when no step is coming to carry them)."""
         return self._attached_scheduler().take_released_seq_ids()
+
+    def take_failed_seq_ids(self) -> list[int]:
+        """Sequences that process_step ended because the worker sampled a token their constraint
+        forbids (a worker that ignored the mask): their requests fail with an internal error."""
+        failed, self._failed_seq_ids = self._failed_seq_ids, []
+        return failed
 
     def stats(self) -> EngineStats:
         """Read from another thread too (the metrics scrape): lengths and counts only, each read
@@ -210,7 +241,7 @@ class EngineCore:
         if output.is_empty:
             return None
         step_id, self._next_step_id = self._next_step_id, self._next_step_id + 1
-        return build_step(step_id, output)
+        return build_step(step_id, output, self.eos_token_ids)
 
     def observe_period(self, step: InFlightStep, period_s: float) -> None:
         """step's result came period_s after the previous one's, with no idle gap between them."""
@@ -232,21 +263,37 @@ class EngineCore:
             if seq.is_finished or seq.num_preemptions != epoch:
                 continue  # stopped or preempted while the step ran: the tokens are dropped
             output = self._append_tokens(seq, samples)
+            if output is None:
+                continue
             previous = seq_id_to_output.get(seq_id)
             seq_id_to_output[seq_id] = output if previous is None else merged([previous, output])
+        for scores in response.prompt_logprobs:
+            seq, epoch = scheduled[scores.seq_id]
+            if seq.prompt_logprobs is not None and not seq.is_finished:
+                seq.prompt_logprobs.add(scores)
         register = self._block_manager.register_computed_blocks  # type: ignore[union-attr]
         for seq, epoch in scheduled.values():
             if not seq.is_finished and seq.num_preemptions == epoch:
                 register(seq)
         return list(seq_id_to_output.values())
 
-    def _append_tokens(self, seq: Sequence, samples: Iterable[worker_pb2.SampledToken]) -> RequestOutput:
-        """Appends tokens to seq up to the first that ends it, and finishes it then."""
+    def _append_tokens(self, seq: Sequence, samples: Iterable[worker_pb2.SampledToken]) -> RequestOutput | None:
+        """Appends tokens to seq up to the first that ends it, and finishes it then. None: a token its
+        constraint forbids failed it."""
         wants_logprobs = seq.sampling_params.logprobs
         if wants_logprobs:
             samples = list(samples)
         token_ids = [sampled.token_id for sampled in samples]
+        is_complete = False
+        if seq.constraint_state is not None:
+            num_valid, is_complete = seq.constraint_state.consume(seq, token_ids)
+            if num_valid < len(token_ids) and not is_complete:
+                self._fail_forbidden(seq, token_ids[num_valid])
+                return None
+            del token_ids[num_valid:]  # nothing follows a completed grammar
         reason, matched_stop, num_kept = first_stop(seq, token_ids, self.eos_token_ids, self.max_model_len)
+        if is_complete and num_kept == len(token_ids) and reason in (None, FinishReason.LENGTH):
+            reason, matched_stop = FinishReason.STOP, None  # the grammar allows nothing more
         if num_kept < len(token_ids):
             del token_ids[num_kept:]
         seq.append_tokens(token_ids)
@@ -260,47 +307,22 @@ class EngineCore:
                     output.top_logprobs.append([(t.token_id, t.logprob) for t in sampled.top_logprobs])
         return output
 
+    def _fail_forbidden(self, seq: Sequence, token_id: int) -> None:
+        logger.error("sequence %d: the worker sampled token %d, which its constraint forbids (%s); failing its "
+                     "request", seq.seq_id, token_id, seq.constraint_state.error)  # type: ignore[union-attr]
+        self._end(seq, FinishReason.ABORTED)
+        self._failed_seq_ids.append(seq.seq_id)
+
     @staticmethod
     def _output(seq: Sequence, token_ids: list[int], finished: bool) -> RequestOutput:
         """seq's delta for its new tokens (handed on, not copied: nothing else keeps the list)."""
         text = seq.detokenizer.take_delta(finished) if seq.detokenizer is not None else ""
+        prompt_scores = seq.prompt_logprobs.take() if seq.prompt_logprobs is not None else None
         if not finished:
             return RequestOutput(seq.seq_id, text, token_ids, num_prompt_tokens=seq.num_prompt_tokens,
-                                 num_output_tokens=seq.num_output_tokens, num_cached_tokens=seq.num_cached_tokens)
+                                 num_output_tokens=seq.num_output_tokens, num_cached_tokens=seq.num_cached_tokens,
+                                 prompt_logprobs=prompt_scores)
         return RequestOutput(seq.seq_id, text, token_ids, finished=True, finish_reason=seq.finish_reason,
                              matched_stop=seq.matched_stop, num_prompt_tokens=seq.num_prompt_tokens,
                              num_output_tokens=seq.num_output_tokens, num_cached_tokens=seq.num_cached_tokens,
-                             queue_time_s=seq.queue_time_s)
-
-
-def first_stop(seq: Sequence, token_ids: list[int], eos_token_ids: frozenset[int],
-               max_model_len: int) -> tuple[FinishReason | None, str | int | None, int]:
-    """The first of seq's new tokens that ends it: (why, the stop it matched, how many tokens are
-    kept). Each kept token's text is added on the way, so that a completed stop string ends seq
-    at once and no later token follows it."""
-    params = seq.sampling_params
-    stop_token_ids = params.stop_token_ids
-    eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
-    # LENGTH once the output reaches max_tokens or the sequence max_model_len (a sequence
-    # already there ends with its first new token).
-    num_left = max(min(seq.num_prompt_tokens + params.max_tokens, max_model_len) - seq.num_tokens, 1)
-    detokenizer = seq.detokenizer
-    if detokenizer is None and not stop_token_ids and not eos_token_ids:
-        if num_left <= len(token_ids):
-            return FinishReason.LENGTH, None, num_left
-        return None, None, len(token_ids)
-    stop_adds_text = params.include_stop_in_output  # else the EOS or stop token adds no text
-    for index, token_id in enumerate(token_ids):
-        reason, matched_stop = None, None
-        if token_id in stop_token_ids:
-            reason, matched_stop = FinishReason.STOP, token_id
-        elif token_id in eos_token_ids:
-            reason = FinishReason.STOP
-        elif index + 1 >= num_left:
-            reason = FinishReason.LENGTH
-        if detokenizer is not None and (reason is not FinishReason.STOP or stop_adds_text):
-            if detokenizer.add_token(token_id) is not None and reason is not FinishReason.STOP:
-                reason, matched_stop = FinishReason.STOP_SEQUENCE, detokenizer.matched_stop
-        if reason is not None:
-            return reason, matched_stop, index + 1
-    return None, None, len(token_ids)
+                             queue_time_s=seq.queue_time_s, prompt_logprobs=prompt_scores)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scheduler_service.core.prompt_logprobs import TokenScore
 from scheduler_service.core.sequence import FinishReason
 
 
@@ -22,6 +23,9 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     queue_time_s: float | None = None  # on the last output, once the request was ever scheduled
+    index: int = 0  # which of the request's n samples (AsyncEngine.generate tags them)
+    # On the first output with tokens, when the request asked for prompt logprobs.
+    prompt_logprobs: list[TokenScore] | None = None
 
 
 def merged(outputs: list[RequestOutput]) -> RequestOutput:
@@ -42,6 +46,8 @@ def merged(outputs: list[RequestOutput]) -> RequestOutput:
         num_output_tokens=last.num_output_tokens,
         num_cached_tokens=last.num_cached_tokens,
         queue_time_s=last.queue_time_s,
+        index=last.index,
+        prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None),
     )
 
 

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from common.contract.config import MAX_DECODE_STEPS, SchedulerConfig
-from scheduler_service.core.block_manager import BlockManager
+from scheduler_service.core.block_manager import NO_PREFIX_HIT, BlockManager
 from scheduler_service.core.sequence import FinishReason, ScheduledSequence, Sequence, SequenceStatus
 
 # Steps of decodes alone whose periods give the time per iteration: the last 8, once there are 4.
@@ -27,6 +27,8 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     # Decode iterations the worker runs in this step (> 1 only for a step of decodes alone).
     num_decode_steps: int = 1
+    # Whether any sequence of the scheduler is constrained: only then do its rows need token masks.
+    has_constraints: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -43,6 +45,7 @@ class Scheduler:
         # Sequences the worker holds but must forget at the next step.
         self._to_release: list[int] = []
         self.num_preemptions = 0  # counter, for tests and metrics
+        self.num_constrained = 0  # unfinished sequences with a constraint (structured output)
         # (iterations, seconds) of the last steps of decodes alone, for the time per iteration.
         self._decode_periods: deque[tuple[int, float]] = deque(maxlen=DECODE_PERIOD_WINDOW)
 
@@ -68,13 +71,16 @@ class Scheduler:
         sequences = [*self.running, *self.waiting]
         self.running.clear()
         self.waiting.clear()
+        self.num_constrained = 0
         return sequences
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        if seq.constraint_state is not None:
+            self.num_constrained += 1
 
     def schedule(self) -> SchedulerOutput:
-        output = SchedulerOutput(num_decode_steps=self._num_decode_steps())
+        output = SchedulerOutput(num_decode_steps=self._num_decode_steps(), has_constraints=self.num_constrained > 0)
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(output, budget)
         if not output.preempted and output.num_decode_steps == 1:
@@ -101,8 +107,8 @@ class Scheduler:
         when nothing waits for admission, every running sequence is decoding, and none needs its
         tokens on the host between iterations (penalties); never past max_model_len."""
         rows = len(self.running)
-        if not rows or (self.waiting and rows < self.config.max_num_seqs):
-            return 1
+        if not rows or (self.waiting and rows < self.config.max_num_seqs) or self.num_constrained:
+            return 1  # a constrained sequence's next mask needs its last token: one at a time
         if rows * self.config.num_decode_steps > self.config.max_num_batched_tokens:
             return 1
         steps = min(self._decode_steps_in_time(), self.config.max_num_batched_tokens // rows)
@@ -148,9 +154,13 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        skipped: list[Sequence] = []  # samples waiting for their leader's prompt, in queue order
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            hit = self.block_manager.find_prefix_hit(seq)
+            if seq.leader is not None and self._awaits_leader(seq):
+                skipped.append(self.waiting.popleft())  # those behind it need not wait
+                continue
+            hit = NO_PREFIX_HIT if seq.needs_prompt_logprobs else self.block_manager.find_prefix_hit(seq)
             num_cached = len(hit.blocks) * self.block_manager.block_size
             num_tokens = min(seq.num_tokens - num_cached, budget)
             if not self.block_manager.admit(seq, hit, num_tokens):
@@ -160,12 +170,27 @@ class Scheduler:
             self.running.append(seq)
             output.scheduled.append(seq.schedule(num_tokens))
             budget -= num_tokens
+        if skipped:  # back at the front, in order: admitted first once their leader's prompt is cached
+            self.waiting.extendleft(reversed(skipped))
+
+    def _awaits_leader(self, seq: Sequence) -> bool:
+        """Whether seq, a sample of a request of n > 1, must wait: its leader (sample 0) is unfinished
+        and the full blocks of its prompt are not in the prefix cache yet (registered after the reply of
+        the step that computed them). Once they are, seq computes only the prompt's last partial block.
+        Without prefix caching there is nothing to share. A leader preempted or recomputed after a lost
+        worker holds no blocks: the samples wait for its prompt again."""
+        leader = seq.leader
+        if leader is None or leader.is_finished or not self.block_manager.enable_prefix_caching:
+            return False
+        num_shared_blocks = (leader.num_prompt_tokens - 1) // self.block_manager.block_size
+        return len(leader.block_hashes) < num_shared_blocks
 
     def _num_tokens_to_compute(self, seq: Sequence) -> int:
         """Tokens seq can compute now; 0 when a step in flight will finish it anyway."""
         num_tokens = seq.num_scheduled_tokens_total
         if seq.num_pending_tokens and (
-            num_tokens >= self.max_model_len
+            seq.constraint_state is not None  # its next mask depends on the pending token
+            or num_tokens >= self.max_model_len
             or num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens  # outputs, pending included
         ):
             return 0
@@ -193,5 +218,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if seq.constraint_state is not None:
+            self.num_constrained -= 1
         self._release(seq)
         seq.finish(reason, matched_stop)

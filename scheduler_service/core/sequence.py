@@ -5,10 +5,29 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from common.contract.lookahead import num_sampled_tokens
 from common.contract.sampling_params import SamplingParams
+from common.generated.nanovllm.worker.v1 import worker_pb2
+from scheduler_service.core.prompt_logprobs import PromptLogprobs
+
+
+class TokenConstraint(Protocol):
+    """A constrained sequence's place in its grammar (structured output; scheduler_service/constraints/
+    implements it). It consumes exactly the output tokens the sequence holds, so that it survives
+    preemption and recompute with them."""
+
+    def consume(self, seq: Sequence, token_ids: list[int]) -> tuple[int, bool]:
+        """Consumes seq's new tokens up to the first that completes the grammar: (how many it consumed,
+        whether the grammar allows nothing more). Fewer than all and not complete: the next is forbidden."""
+
+    def write_mask(self, seq: Sequence, mask: worker_pb2.TokenMask) -> None:
+        """Sets mask to the tokens seq may sample next."""
+
+    @property
+    def error(self) -> str:
+        """Why the last token was refused."""
 
 
 class SequenceStatus(Enum):
@@ -60,9 +79,17 @@ class Sequence:
     num_pending_tokens: int = 0
     # Turns output tokens into text and watches for stop strings (None: token ids only).
     detokenizer: Any = None
+    # Gathers the prompt tokens' log-probabilities when the request asked.
+    prompt_logprobs: PromptLogprobs | None = None
     # time.monotonic() when queued, and when first admitted to a step (for the queue-time metric).
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
+    # Parallel samples (n > 1, core/samples.py): which sample of its request this is, and, for all
+    # but sample 0, sample 0's sequence, whose prompt they wait for so as to share its cached blocks.
+    sample_index: int = 0
+    leader: Sequence | None = None
+    # Structured output: the grammar's state, advanced with every appended token (None: free text).
+    constraint_state: TokenConstraint | None = None
 
     @property
     def queue_time_s(self) -> float | None:
@@ -82,6 +109,11 @@ class Sequence:
     def num_scheduled_tokens_total(self) -> int:
         """Tokens the sequence will hold once the steps in flight return."""
         return len(self.token_ids) + self.num_pending_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Its prompt must be computed, not served by the prefix cache, until every score arrived."""
+        return self.prompt_logprobs is not None and not self.prompt_logprobs.is_complete
 
     @property
     def num_output_tokens(self) -> int:

@@ -24,8 +24,9 @@ class InFlightStep:
     num_decode_steps: int = 0
 
 
-def build_step(step_id: int, output: SchedulerOutput) -> InFlightStep:
-    """The step for the scheduler's output: its message, and its sequences with their epochs."""
+def build_step(step_id: int, output: SchedulerOutput, eos_token_ids: frozenset[int] = frozenset()) -> InFlightStep:
+    """The step for the scheduler's output: its message, and its sequences with their epochs.
+    eos_token_ids: what min_tokens holds back, with each request's stop token ids."""
     scheduled = {}
     num_tokens = 0  # decode iterations included
     decodes_only = True
@@ -35,25 +36,42 @@ def build_step(step_id: int, output: SchedulerOutput) -> InFlightStep:
         num_tokens += item.num_tokens
         decodes_only = decodes_only and item.num_tokens == item.num_samples
     num_decode_steps = output.num_decode_steps if decodes_only and output.scheduled else 0
-    return InFlightStep(step_id, build_step_request(step_id, output), scheduled, num_tokens, num_decode_steps)
+    request = build_step_request(step_id, output, eos_token_ids)
+    return InFlightStep(step_id, request, scheduled, num_tokens, num_decode_steps)
 
 
-def build_step_request(step_id: int, output: SchedulerOutput) -> worker_pb2.StepRequest:
+def build_step_request(step_id: int, output: SchedulerOutput,
+                       eos_token_ids: frozenset[int] = frozenset()) -> worker_pb2.StepRequest:
     """A pure function of the scheduler's output: it changes no sequence."""
     request = worker_pb2.StepRequest(step_id=step_id, released_seq_ids=output.released_seq_ids,
                                      num_decode_steps=output.num_decode_steps)
     add_running = request.running_sequences.add
     for item in output.scheduled:
         if item.is_new_on_worker:
-            request.new_sequences.append(_new_sequence(item))
+            request.new_sequences.append(_new_sequence(item, eos_token_ids))
         elif item.new_block_ids or item.token_ids:
             add_running(seq_id=item.seq.seq_id, new_block_ids=item.new_block_ids, token_ids=item.token_ids)
         else:
             add_running(seq_id=item.seq.seq_id)  # a decode in its blocks: the common case, built 3x faster
+    if output.has_constraints:  # a pass of its own: free text pays nothing per row
+        _add_token_masks(request, output.scheduled)
     return request
 
 
-def _new_sequence(item: ScheduledSequence) -> worker_pb2.NewSequence:
+def _add_token_masks(request: worker_pb2.StepRequest, scheduled: list[ScheduledSequence]) -> None:
+    """The token mask of each constrained sequence that samples in this step (its matcher has consumed
+    every token it holds: the scheduler schedules none with a token pending)."""
+    seq_id_to_seq = {item.seq.seq_id: item.seq for item in scheduled
+                     if item.num_samples and item.seq.constraint_state is not None}
+    if not seq_id_to_seq:
+        return
+    for message in (*request.new_sequences, *request.running_sequences):
+        seq = seq_id_to_seq.get(message.seq_id)
+        if seq is not None:
+            seq.constraint_state.write_mask(seq, message.token_mask)  # type: ignore[union-attr]
+
+
+def _new_sequence(item: ScheduledSequence, eos_token_ids: frozenset[int]) -> worker_pb2.NewSequence:
     seq = item.seq
     params = seq.sampling_params
     message = worker_pb2.NewSequence(
@@ -67,4 +85,7 @@ def _new_sequence(item: ScheduledSequence) -> worker_pb2.NewSequence:
     )
     if params.needs_token_history and item.start_position:
         message.cached_token_ids.extend(seq.token_ids[:item.start_position])
+    if params.min_tokens:
+        banned = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids)
+        message.sampling.min_tokens_banned_ids.extend(sorted(banned))
     return message

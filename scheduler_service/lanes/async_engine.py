@@ -4,7 +4,8 @@ Requests enter through generate(), an async iterator of RequestOutput; each new 
 ready lane with the least outstanding work in tokens (scheduler_service/lanes/lane_loads.py; data
 parallelism: one block pool per lane). If the caller stops iterating (client cancelled, deadline
 passed) the sequence is aborted at once: its blocks return to the pool and the worker is told to
-release it.
+release it. A request of n samples (SamplingParams.n) is n sequences on one lane, whose outputs
+interleave in one iterator, each tagged with its sample's index (core/samples.py).
 
 A service that listens before its tokenizer is known (a standalone scheduler whose worker names the
 model) creates the engine with AsyncEngine.pending() and calls begin() once the tokenizer is loaded:
@@ -13,8 +14,10 @@ until then no lane runs, so it is not ready and new requests get UNAVAILABLE "no
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from typing import Any
@@ -22,9 +25,10 @@ from typing import Any
 from common.contract.config import SchedulerConfig
 from common.contract.sampling_params import SamplingParams
 from common.contract.worker_description import WorkerDescription
-from scheduler_service.core.errors import EngineUnavailableError, WorkerLostError, WorkerStepError
+from scheduler_service.constraints import ConstraintCompiler
+from scheduler_service.core.errors import EngineUnavailableError, RequestError, WorkerLostError, WorkerStepError
 from scheduler_service.core.outputs import EngineStats, RequestOutput, merged
-from scheduler_service.core.sequence import Sequence
+from scheduler_service.core.sequence import Sequence, TokenConstraint
 from scheduler_service.lanes.lane_loads import Charge, LaneLoads
 from scheduler_service.lanes.worker_client import WorkerClient
 from scheduler_service.lanes.worker_lane import LaneObserver, WorkerLane
@@ -74,6 +78,19 @@ class _Request:
     charge: Charge  # its outstanding work on its lane
 
 
+def _per_sequence(items: list[RequestOutput | Exception]) -> list[RequestOutput]:
+    """The outputs of several sequences taken from one outbox, each sequence's joined into one (in
+    the order the sequences first appear); raises the first failure among them as generate() does."""
+    seq_id_to_outputs: dict[int, list[RequestOutput]] = {}
+    for item in items:
+        if isinstance(item, EngineUnavailableError | WorkerStepError):
+            raise type(item)(str(item))  # a documented status: UNAVAILABLE, INTERNAL
+        if isinstance(item, Exception):
+            raise RuntimeError(f"the engine failed: {item!r}") from item
+        seq_id_to_outputs.setdefault(item.seq_id, []).append(item)
+    return [merged(outputs) for outputs in seq_id_to_outputs.values()]
+
+
 class AsyncEngine:
     """Created with `await AsyncEngine.start(config, worker_or_workers, tokenizer)`; stopped with
     `await engine.shutdown(grace_seconds)`. An observer (the service's metrics) sees every lane's steps."""
@@ -94,6 +111,8 @@ class AsyncEngine:
         self._begun = False
         self._drain_deadline: float | None = None
         self._drain_end = GRACE_ENDED
+        # Compiles structured-output constraints; only with a tokenizer (begin()).
+        self.constraints: ConstraintCompiler | None = None
 
     @classmethod
     async def start(cls, config: SchedulerConfig, workers: WorkerClient | SequenceABC[WorkerClient],
@@ -115,6 +134,8 @@ class AsyncEngine:
             raise RuntimeError("the engine's lanes are started already")
         self._begun = True
         self.tokenizer = tokenizer
+        if tokenizer is not None:
+            self.constraints = ConstraintCompiler(tokenizer, self.config.max_grammar_compile_ms)
         for lane in self.lanes:
             lane.start(eos_token_ids)
 
@@ -157,10 +178,43 @@ class AsyncEngine:
             raise EngineUnavailableError("no worker is ready")
         return self.lane_loads.least_loaded(lanes)
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Streams a request's outputs. Stopping the iteration early aborts the request at once."""
+    @property
+    def has_constraints(self) -> bool:
+        """Whether requests may carry a constraint: a tokenizer the grammar library accepts."""
+        return self.constraints is not None and self.constraints.is_supported
+
+    @property
+    def max_grammar_compile_ms(self) -> int:
+        return self.config.max_grammar_compile_ms
+
+    async def _lane_for(self, params: SamplingParams) -> tuple[WorkerLane, Callable[[], TokenConstraint] | None]:
+        """The lane for a new request, and its constraint compiled for that lane's model (None: free
+        text). A compilation awaits the grammar threads, and lanes may come and go meanwhile: the lane
+        is picked again after it, and one of another vocabulary gets its own compilation."""
         lane = self._pick_lane()
-        seq = lane.add_request(prompt_token_ids, params, self.tokenizer)
+        if params.constraint is None:
+            return lane, None
+        if self.constraints is None:
+            raise RequestError("constraint: this model has no tokenizer")
+        while True:
+            served = lane.served
+            compiled = await self.constraints.compile(params.constraint, served.vocab_size,  # type: ignore[union-attr]
+                                                      served.eos_token_ids)  # type: ignore[union-attr]
+            lane = self._pick_lane()
+            if compiled.fits(lane.served.vocab_size, lane.served.eos_token_ids):  # type: ignore[union-attr]
+                return lane, compiled.new_state
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Streams a request's outputs. Stopping the iteration early aborts the request at once. With
+        params.n > 1 the deltas of its n samples interleave, each tagged with its RequestOutput.index,
+        until every sample has finished; stopping early aborts them all, and a failure ends them all."""
+        if params.n > 1:
+            async with contextlib.aclosing(self._generate_samples(prompt_token_ids, params)) as outputs:
+                async for output in outputs:
+                    yield output
+            return
+        lane, constraint = await self._lane_for(params)
+        seq = lane.add_request(prompt_token_ids, params, self.tokenizer, constraint)
         num_prompt = len(prompt_token_ids)
         max_model_len = lane.served.max_model_len  # type: ignore[union-attr]  # the lane is ready
         charge = self.lane_loads.admit(lane, num_prompt, min(params.max_tokens, max_model_len - num_prompt))
@@ -184,6 +238,36 @@ class AsyncEngine:
             self._requests.pop(seq.seq_id, None)
             self.lane_loads.finish(charge)
 
+    async def _generate_samples(self, prompt_token_ids: list[int],
+                                params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """generate() for n > 1 samples: all on one lane, where they share the prompt's blocks, one
+        outbox for all, each sample charged on the lane as a request of its own."""
+        lane, constraint = await self._lane_for(params)
+        sequences = lane.add_samples(prompt_token_ids, params, self.tokenizer, constraint)
+        num_prompt = len(prompt_token_ids)
+        max_model_len = lane.served.max_model_len  # type: ignore[union-attr]  # the lane is ready
+        outbox = _Outbox()
+        requests = [_Request(seq, lane, outbox, self.lane_loads.admit(
+            lane, num_prompt, min(params.max_tokens, max_model_len - num_prompt))) for seq in sequences]
+        for request in requests:
+            self._requests[request.seq.seq_id] = request
+        seq_id_to_index = {seq.seq_id: seq.sample_index for seq in sequences}
+        leader, num_unfinished = sequences[0], len(sequences)
+        try:
+            while num_unfinished:
+                for output in _per_sequence(await outbox.take()):
+                    output.index = index = seq_id_to_index[output.seq_id]
+                    if index:  # the prompt's cached tokens are the request's: those sample 0 found cached
+                        output = dataclasses.replace(output, num_cached_tokens=leader.num_cached_tokens)
+                    num_unfinished -= output.finished
+                    yield output
+        finally:
+            for request in requests:
+                if not request.seq.is_finished:
+                    lane.abort(request.seq)
+                self._requests.pop(request.seq.seq_id, None)
+                self.lane_loads.finish(request.charge)
+
     async def shutdown(self, grace_s: float = 30.0) -> None:
         """Refuses new requests, lets running ones finish for up to grace_s (or until cut_drain()),
         then ends the rest with UNAVAILABLE (GRACE_ENDED). Requests parked on a lost worker are not
@@ -202,6 +286,8 @@ class AsyncEngine:
             else:
                 request.outputs.put(WorkerLostError("worker lost: the service is shutting down"))
         await asyncio.gather(*(lane.close() for lane in self.lanes))
+        if self.constraints is not None:
+            self.constraints.close()
 
     def cut_drain(self) -> None:
         """Ends shutdown()'s wait now (a second signal): what still runs gets UNAVAILABLE (DRAIN_CUT)."""
@@ -231,3 +317,6 @@ class AsyncEngine:
 
     def lane_ready(self) -> None:
         self._ready.set()
+        if self.constraints is not None:  # the grammar library's view of the model, built once, now
+            for lane in self.ready_lanes:
+                self.constraints.prepare(lane.served.vocab_size, lane.served.eos_token_ids)  # type: ignore[union-attr]

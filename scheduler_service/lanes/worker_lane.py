@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import grpc
@@ -29,7 +29,7 @@ from scheduler_service.core.detokenizer import TokenDecoder
 from scheduler_service.core.engine_core import EngineCore
 from scheduler_service.core.errors import WorkerLostError, WorkerStepError
 from scheduler_service.core.outputs import EngineStats, RequestOutput
-from scheduler_service.core.sequence import Sequence
+from scheduler_service.core.sequence import Sequence, TokenConstraint
 from scheduler_service.core.step_builder import InFlightStep
 from scheduler_service.core.step_loop import drive
 from scheduler_service.lanes.liveness import watch_liveness
@@ -103,11 +103,18 @@ class WorkerLane:
             self.extra_eos_token_ids = tuple(extra_eos_token_ids)
         self._task = asyncio.create_task(self._run(), name=f"lane-{self.worker.address}")
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    tokenizer: TokenDecoder | None) -> Sequence:
-        seq = self.core.add_request(prompt_token_ids, params, tokenizer)
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, tokenizer: TokenDecoder | None,
+                    constraint: Callable[[], TokenConstraint] | None = None) -> Sequence:
+        seq = self.core.add_request(prompt_token_ids, params, tokenizer, constraint)
         self._wakeup.set()
         return seq
+
+    def add_samples(self, prompt_token_ids: list[int], params: SamplingParams, tokenizer: TokenDecoder | None,
+                    constraint: Callable[[], TokenConstraint] | None = None) -> list[Sequence]:
+        """A request of params.n samples: its n sequences, sample 0 first (EngineCore.add_samples)."""
+        sequences = self.core.add_samples(prompt_token_ids, params, tokenizer, constraint)
+        self._wakeup.set()
+        return sequences
 
     def abort(self, seq: Sequence) -> None:
         """Stops seq now."""
@@ -211,6 +218,10 @@ class WorkerLane:
 
     def _after_step(self, step: InFlightStep, outputs: list[RequestOutput], period_s: float | None) -> None:
         self.owner.deliver(outputs)
+        failed = self.core.take_failed_seq_ids()
+        if failed:  # logged by the core, with the token and the grammar's reason
+            self.owner.fail(self, WorkerStepError("internal error: the worker sampled a token that the request's "
+                                                  "constraint forbids; see the scheduler log"), failed)
         if self.observer is not None:
             self.observer.observe_step(self.worker.address, self.core.stats(), period_s)
 

@@ -71,6 +71,8 @@ class FakeEngine:
         self.script: Callable[[list[int], SamplingParams], list[RequestOutput]] = default_script
         self.requests: list[tuple[list[int], SamplingParams]] = []
         self.num_closed = 0  # generate() iterators that ended, however (finished, cancelled, closed)
+        self.has_constraints = False  # the word-level tokenizer is not one llguidance reads
+        self.max_grammar_compile_ms = 2000
 
     @property
     def is_ready(self) -> bool:

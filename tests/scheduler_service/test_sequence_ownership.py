@@ -49,8 +49,9 @@ def test_only_owners_change_sequence_fields() -> None:
 
 
 # The detokenizer has one owner: the engine core creates, advances, drains and finishes it (it
-# rides on its Sequence, declared in sequence.py; the class lives in detokenizer.py).
-DETOKENIZER_OWNERS = {"core/engine_core.py", "core/sequence.py", "core/detokenizer.py"}
+# rides on its Sequence, declared in sequence.py; the class lives in detokenizer.py; the engine
+# core's stop check, in stop_conditions.py, advances it token by token).
+DETOKENIZER_OWNERS = {"core/engine_core.py", "core/sequence.py", "core/detokenizer.py", "core/stop_conditions.py"}
 SERVICE_ROOTS = {"scheduler_service": PACKAGE, "offline": PACKAGE.parent / "offline",
                  "launch": PACKAGE.parent / "launch"}
 # A StepRequest is built by the step builder; the worker client stamps its session on it, nothing else.

@@ -24,6 +24,15 @@ class ScheduledChunk:
     # For a decode chunk whose token an earlier step sampled and has not read back yet; token_ids
     # then holds a placeholder that the device fills in.
     token_source: PendingToken | None = None
+    # The packed allowed tokens of this step's sample (token_masks.decode_token_mask); only on a
+    # chunk that samples.
+    token_mask: np.ndarray | None = None
+
+    @property
+    def scores_prompt(self) -> bool:
+        """The sequence asked for prompt logprobs and the chunk computes prompt positions."""
+        state = self.state
+        return state.sampling.num_prompt_logprobs is not None and state.num_computed_tokens < state.num_prompt_tokens
 
 
 @dataclass
@@ -36,6 +45,9 @@ class ModelInput:
     block_tables_host: np.ndarray  # metadata.block_tables, as built on the host
     # Tokens to take from earlier steps' device outputs, by input position.
     position_to_token_source: dict[int, PendingToken] = field(default_factory=dict)
+    # The chunks whose prompt positions are scored (prompt logprobs), each with the input index of
+    # its first token.
+    prompt_chunks: list[tuple[int, ScheduledChunk]] = field(default_factory=list)
 
 
 def build_model_input(chunks: list[ScheduledChunk], block_size: int, device: torch.device = HOST) -> ModelInput:
@@ -79,7 +91,8 @@ def build_model_input(chunks: list[ScheduledChunk], block_size: int, device: tor
     return ModelInput(input_ids=move(input_ids), positions=move(positions.astype(np.int64, copy=False)),
                       metadata=metadata, logits_indices=move(query_start[1:][samples] - 1),
                       sampled_chunks=[c for c in chunks if c.samples], block_tables_host=tables,
-                      position_to_token_source=token_sources)
+                      position_to_token_source=token_sources,
+                      prompt_chunks=[(int(query_start[row]), c) for row, c in enumerate(chunks) if c.scores_prompt])
 
 
 def sampling_rows(chunks: list[ScheduledChunk]) -> SamplingRows:
@@ -87,8 +100,11 @@ def sampling_rows(chunks: list[ScheduledChunk]) -> SamplingRows:
     states = [chunk.state for chunk in chunks]
     params = [state.sampling for state in states]
     indices = [state.num_tokens - state.num_prompt_tokens for state in states]
+    edits = dict(token_masks=[chunk.token_mask for chunk in chunks],
+                 min_tokens_banned_ids=[state.min_tokens_banned_ids for state in states],
+                 logit_biases=[state.logit_bias for state in states])
     if all(state.token_ids is None for state in states):  # no penalties: no token lists to slice
-        return SamplingRows(params, [None] * len(states), [()] * len(states), indices)
+        return SamplingRows(params, [None] * len(states), [()] * len(states), indices, **edits)
     prompts = [None if s.token_ids is None else s.token_ids[:s.num_prompt_tokens] for s in states]
     outputs = [[] if s.token_ids is None else s.token_ids[s.num_prompt_tokens:] for s in states]
-    return SamplingRows(params, prompts, outputs, indices)
+    return SamplingRows(params, prompts, outputs, indices, **edits)

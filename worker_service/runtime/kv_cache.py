@@ -20,9 +20,10 @@ from worker_service.runtime.sequence_state import WorkerSequence
 
 logger = logging.getLogger(__name__)
 
-# Filtering by sort, top log-probabilities: the sampler's largest [rows, vocab] intermediates.
+# Filtering by sort, top log-probabilities: the sampler's largest [rows, vocab] intermediates; and
+# prompt logprobs, whose blocks of [rows, vocab] logits the peak must count too.
 HEAVIEST_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, logprobs=True,
-                                   num_top_logprobs=MAX_TOP_LOGPROBS)
+                                   num_top_logprobs=MAX_TOP_LOGPROBS, num_prompt_logprobs=MAX_TOP_LOGPROBS)
 # Temperature alone: the fused sampling kernel on CUDA.
 PLAIN_SAMPLING = SamplingParams(temperature=1.0)
 

@@ -1,8 +1,9 @@
 """Holds the model and its paged KV cache (kv_cache); runs one forward pass, or a multi-iteration
-decode step, and samples (under tensor parallelism from each rank's slice of the vocabulary)."""
+decode step, and samples (under tensor parallelism from each rank's slice of the vocabulary); scores
+prompt tokens for the sequences that ask (prompt_logprobs)."""
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -22,10 +23,20 @@ from worker_service.runtime.batch import ModelInput, build_model_input, sampling
 from worker_service.runtime.cuda_graphs import DecodeGraphs, PrefillGraphs
 from worker_service.runtime.decode_plan import DecodePlan
 from worker_service.runtime.kv_cache import KVCacheSpec, attach_kv_cache, num_fitting_blocks, warmup_steps
+from worker_service.runtime.prompt_logprobs import PromptScores, score_prompts
 from worker_service.runtime.sequence_state import LaunchedStep
 from worker_service.sampling.sampler import Sampler, SamplerOutput, stack_iterations
-from worker_service.sampling.sampling_state import SamplingBatch, host_to_device
+from worker_service.sampling.sampling_state import SamplingBatch, SamplingRows, host_to_device
 from worker_service.sampling.vocab_parallel import VocabSlice
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What a step computed, on the device: the sampled tokens ([num_sampling_rows, num_decode_steps]
+    tensors; None when no chunk samples) and the prompt logprobs (None when no chunk asked)."""
+
+    samples: SamplerOutput | None
+    prompt: PromptScores | None
 
 
 class ModelRunner:
@@ -119,32 +130,35 @@ class ModelRunner:
     # Steps.
 
     @torch.inference_mode()
-    def run(self, model_input: ModelInput, num_decode_steps: int = 1) -> SamplerOutput | None:
-        """Runs the batch and samples; outputs are [num_seqs, num_decode_steps] (None when no chunk
-        samples). With num_decode_steps > 1 the batch must be decode-only: each iteration feeds the
-        tokens the previous one sampled, without the host in between."""
+    def run(self, model_input: ModelInput, num_decode_steps: int = 1) -> StepOutput:
+        """Runs the batch, scores prompt tokens where asked and samples; samples are [num_seqs,
+        num_decode_steps]. With num_decode_steps > 1 the batch must be decode-only: each iteration
+        feeds the tokens the previous one sampled, without the host in between."""
         plan = (DecodePlan.build(model_input, num_decode_steps, self.config.block_size, self.device)
                 if num_decode_steps > 1 else None)
         gather = self.vocab_slice is None  # under tensor parallelism each rank keeps its slice (_sample)
-        logits = self.forward_logits(model_input, gather)
-        if logits is None:
-            return None
+        hidden = self._forward_input(model_input)
+        prompt = None
+        if model_input.prompt_chunks:
+            prompt = score_prompts(lambda rows: self.model.compute_logits(rows, True), hidden,
+                                   model_input.prompt_chunks)
+        if not model_input.sampled_chunks:
+            return StepOutput(None, prompt)
+        logits = self.model.compute_logits(hidden[model_input.logits_indices], gather)
         # Host work after the forward pass is launched, so that it overlaps the GPU's.
         rows = sampling_rows(model_input.sampled_chunks)
         batch = SamplingBatch.build(rows, self.vocab_size, self.device)
         outputs = [self._sample(logits, batch)]
-        any_seeded = num_decode_steps > 1 and any(p.seed is not None for p in rows.params)
         for index in range(1, num_decode_steps):
             assert plan is not None
             hidden = self._forward(outputs[-1].token_ids, plan.positions[index],
                                    plan.metadata(model_input.metadata, index))
             logits = self.model.compute_logits(hidden, gather)
-            if any_seeded:
-                # Seeded rows draw from (seed, output index): the index moves every iteration.
+            if _samples_differently(rows, index):
                 step_rows = replace(rows, output_index=[i + index for i in rows.output_index])
                 batch = SamplingBatch.build(step_rows, self.vocab_size, self.device)
             outputs.append(self._sample(logits, batch))
-        return stack_iterations(outputs)
+        return StepOutput(stack_iterations(outputs), prompt)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Samples from the logits: the whole rows, or under tensor parallelism this rank's slice of
@@ -166,13 +180,17 @@ class ModelRunner:
         batches, and one sequence's prefill, run through a CUDA graph when one is captured.
         gather=False: under tensor parallelism, this rank's slice of them. model_input is on the
         runner's device (build_model_input)."""
-        if self.kv_cache is None:
-            raise RuntimeError("the KV cache is not initialised (InitCache first)")
-        self._fill_pending_tokens(model_input)
-        hidden = self._forward(model_input.input_ids, model_input.positions, model_input.metadata)
+        hidden = self._forward_input(model_input)
         if not model_input.sampled_chunks:
             return None
         return self.model.compute_logits(hidden[model_input.logits_indices], gather)
+
+    def _forward_input(self, model_input: ModelInput) -> torch.Tensor:
+        """Hidden states of every input token (of a CUDA graph's output buffer: valid until the next replay)."""
+        if self.kv_cache is None:
+            raise RuntimeError("the KV cache is not initialised (InitCache first)")
+        self._fill_pending_tokens(model_input)
+        return self._forward(model_input.input_ids, model_input.positions, model_input.metadata)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         for graphs in self.graphs:
@@ -191,3 +209,11 @@ class ModelRunner:
         for step, (rows, positions) in step_to_rows.items():
             index = host_to_device(torch.tensor([rows, positions], dtype=torch.int64), self.device)
             model_input.input_ids[index[1]] = step.device_token_ids[index[0]]
+
+
+def _samples_differently(rows: SamplingRows, index: int) -> bool:
+    """Whether iteration index of a multi-iteration decode step needs the batch rebuilt for its output
+    indices: seeded rows draw from (seed, output index), which moves every iteration, and a min_tokens
+    ban lifts at the iteration whose index reaches min_tokens."""
+    return any(p.seed is not None or (p.min_tokens and first + index == p.min_tokens)
+               for p, first in zip(rows.params, rows.output_index, strict=True))

@@ -11,6 +11,7 @@ import torch
 from common.contract.lookahead import num_sampled_tokens
 from common.contract.sampling_params import SamplingParams
 from common.generated.nanovllm.worker.v1 import worker_pb2
+from worker_service.sampling.logit_edits import TokenBias
 
 
 class LaunchedStep(Protocol):
@@ -44,10 +45,24 @@ class WorkerSequence:
     pending: PendingToken | None = None
     # Every token of the sequence, kept only when a penalty needs the history.
     token_ids: list[int] | None = None
+    logit_bias: TokenBias | None = None  # sampling.logit_bias as arrays
+    min_tokens_banned_ids: tuple[int, ...] = ()  # what sampling.min_tokens holds back
+    # With prompt logprobs, between two chunks of the prompt: the logits ([1, vocab_size], on the
+    # device) of the last position computed, which score the first token of the next chunk.
+    prompt_logits_tail: torch.Tensor | None = None
 
     @classmethod
-    def from_message(cls, message: worker_pb2.NewSequence) -> WorkerSequence:
+    def from_message(cls, message: worker_pb2.NewSequence, vocab_size: int) -> WorkerSequence:
+        """The state of a sequence new to this worker; ValueError for token ids outside the vocabulary."""
         sampling = SamplingParams.from_proto(message.sampling)
+        try:
+            logit_bias = TokenBias.of(sampling.logit_bias, vocab_size)
+        except ValueError as error:
+            raise ValueError(f"sequence {message.seq_id}: sampling.{error}") from None
+        banned = tuple(message.sampling.min_tokens_banned_ids)
+        if any(not 0 <= token < vocab_size for token in banned):
+            raise ValueError(f"sequence {message.seq_id}: sampling.min_tokens_banned_ids: token ids must be in "
+                             f"[0, {vocab_size}), got {next(t for t in banned if not 0 <= t < vocab_size)}")
         history = None
         if sampling.needs_token_history:
             history = list(message.cached_token_ids)
@@ -56,7 +71,8 @@ class WorkerSequence:
                                  f"{message.num_computed_tokens} cached tokens, got {len(history)}")
         return cls(seq_id=message.seq_id, block_table=list(message.block_table),
                    num_computed_tokens=message.num_computed_tokens, num_tokens=message.num_tokens,
-                   num_prompt_tokens=message.num_prompt_tokens, sampling=sampling, token_ids=history)
+                   num_prompt_tokens=message.num_prompt_tokens, sampling=sampling, token_ids=history,
+                   logit_bias=logit_bias, min_tokens_banned_ids=banned)
 
     def add_blocks(self, block_ids: Iterable[int]) -> None:
         self.block_table.extend(block_ids)
@@ -80,6 +96,10 @@ class WorkerSequence:
         self.num_tokens += num_sampled_tokens(self.num_tokens, self.num_computed_tokens)
         self.last_token = None
         self.pending = pending
+
+    def keep_prompt_logits(self, tail: torch.Tensor | None) -> None:
+        """The logits that score the next prompt chunk's first token (None: no chunk of the prompt follows)."""
+        self.prompt_logits_tail = tail
 
     def record_sampled(self, step: LaunchedStep, token_ids: list[int]) -> None:
         """The tokens step sampled for this sequence, read back: the last one is the next to compute,

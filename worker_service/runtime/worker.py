@@ -17,9 +17,11 @@ from common.contract.worker_description import WorkerDescription
 from common.gc_pauses import freeze_startup_objects
 from common.generated.nanovllm.worker.v1 import worker_pb2
 from worker_service.runtime.batch import ScheduledChunk, build_model_input
-from worker_service.runtime.model_runner import ModelRunner
+from worker_service.runtime.model_runner import ModelRunner, StepOutput
+from worker_service.runtime.prompt_logprobs import record_prompt_logprobs
 from worker_service.runtime.sequence_state import PendingToken, WorkerSequence
 from worker_service.sampling.sampler import SamplerOutput
+from worker_service.sampling.token_masks import decode_token_mask
 
 
 class StepOrderError(ValueError):
@@ -30,17 +32,20 @@ class PendingStep:
     """A launched step whose sampled tokens are still on the device (or being copied back)."""
 
     def __init__(self, lock: threading.Lock, step_id: int, chunks: list[ScheduledChunk],
-                 output: SamplerOutput | None, previous: PendingStep | None) -> None:
-        """output: tensors of [num_sampling_rows, num_decode_steps]."""
+                 output: StepOutput | None, previous: PendingStep | None) -> None:
+        """output: None when the step computed nothing."""
         self.lock = lock
         self.step_id = step_id
         self.chunks = chunks
         self.previous = previous
+        samples = output.samples if output is not None else None
+        prompt = output.prompt if output is not None else None
         # The last token of each row: what the next decode step of that sequence computes.
-        self.device_token_ids = output.token_ids[:, -1] if output is not None else None
-        self._host = output.map(_copy_to_host) if output is not None else None
+        self.device_token_ids = samples.token_ids[:, -1] if samples is not None else None
+        self._host = samples.map(_copy_to_host) if samples is not None else None
+        self._host_prompt = prompt.map(_copy_to_host) if prompt is not None else None
         self._event = None
-        if output is not None and output.token_ids.is_cuda:
+        if (samples is not None and samples.token_ids.is_cuda) or (prompt is not None and prompt.logprobs.is_cuda):
             self._event = torch.cuda.Event()
             self._event.record()
         self._response: worker_pb2.StepResponse | None = None
@@ -63,7 +68,9 @@ class PendingStep:
         response = worker_pb2.StepResponse(step_id=self.step_id)
         if self._host is not None:
             _record_samples(self, self._host, response)
-        self._host = None
+        if self._host_prompt is not None:
+            record_prompt_logprobs(self._host_prompt, response)
+        self._host = self._host_prompt = None
         return response
 
 
@@ -156,7 +163,7 @@ class WorkerCore:
                 raise StepOrderError(f"step_id: {request.step_id} "
                                      + ("was already used" if request.step_id < self.next_step_id else "skips a step"))
             self.next_step_id = request.step_id + 1
-            chunks = apply_step(request, self.seq_id_to_state)
+            chunks = apply_step(request, self.seq_id_to_state, self.runner.vocab_size)
         self._resolve_history_sources(chunks)
         num_decode_steps = max(request.num_decode_steps, 1)
         output = None
@@ -164,6 +171,9 @@ class WorkerCore:
             if chunks:
                 model_input = build_model_input(chunks, self.config.block_size, self.runner.device)
                 output = self.runner.run(model_input, num_decode_steps)
+                if output.prompt is not None:
+                    for state, tail in output.prompt.tails:
+                        state.keep_prompt_logits(tail)
             pending = PendingStep(self.lock, request.step_id, chunks, output, self._last_launched)
             row = 0
             for chunk in chunks:
@@ -181,7 +191,8 @@ class WorkerCore:
                 chunk.token_source.step.result()
 
 
-def apply_step(request: worker_pb2.StepRequest, seq_id_to_state: dict[int, WorkerSequence]) -> list[ScheduledChunk]:
+def apply_step(request: worker_pb2.StepRequest, seq_id_to_state: dict[int, WorkerSequence],
+               vocab_size: int) -> list[ScheduledChunk]:
     """Updates per-sequence state from the step's deltas and lists what to compute, in order."""
     for seq_id in request.released_seq_ids:
         seq_id_to_state.pop(seq_id, None)
@@ -189,9 +200,10 @@ def apply_step(request: worker_pb2.StepRequest, seq_id_to_state: dict[int, Worke
     for new in request.new_sequences:
         if new.seq_id in seq_id_to_state:
             raise ValueError(f"sequence {new.seq_id} is already held; release it first")
-        state = seq_id_to_state[new.seq_id] = WorkerSequence.from_message(new)
+        state = seq_id_to_state[new.seq_id] = WorkerSequence.from_message(new, vocab_size)
         token_ids = list(new.token_ids)
         chunks.append(ScheduledChunk(state, token_ids, samples=state.take_chunk(token_ids)))
+        _take_mask(chunks[-1], new, request, vocab_size)
     for running in request.running_sequences:
         state = seq_id_to_state.get(running.seq_id)
         if state is None:
@@ -206,4 +218,19 @@ def apply_step(request: worker_pb2.StepRequest, seq_id_to_state: dict[int, Worke
             chunks.append(ScheduledChunk(state, [state.last_token], samples=True))
         else:
             raise ValueError(f"sequence {running.seq_id}: no tokens to compute and no sampled token")
+        _take_mask(chunks[-1], running, request, vocab_size)
     return chunks
+
+
+def _take_mask(chunk: ScheduledChunk, message: worker_pb2.NewSequence | worker_pb2.RunningSequence,
+               request: worker_pb2.StepRequest, vocab_size: int) -> None:
+    """Decodes the message's token mask onto its chunk; a chunk that samples nothing ignores it."""
+    if not message.HasField("token_mask") or not chunk.samples:
+        return
+    if request.num_decode_steps > 1:
+        raise ValueError(f"sequence {message.seq_id}: token_mask: not allowed with num_decode_steps "
+                         f"{request.num_decode_steps} (each iteration would need its own mask)")
+    try:
+        chunk.token_mask = decode_token_mask(message.token_mask, vocab_size)
+    except ValueError as error:
+        raise ValueError(f"sequence {message.seq_id}: {error}") from None

@@ -1,5 +1,6 @@
-"""Batched sampling: penalties, greedy argmax, temperature, top-k, top-p, min-p, seeded or unseeded
-sampling, and log-probabilities, each row with its own parameters (see `SamplingBatch`).
+"""Batched sampling: penalties, logit bias, the min_tokens ban, token masks, greedy argmax,
+temperature, top-k, top-p, min-p, seeded or unseeded sampling, and log-probabilities, each row with
+its own parameters (see `SamplingBatch`).
 
 Every op runs on the device with no host-device synchronisation. Sampling uses the exponential
 race: argmax(p / q) with q ~ Exp(1) i.i.d. picks token i with probability p_i / sum(p), so no
@@ -9,7 +10,9 @@ Batches that sample by temperature alone (`SamplingBatch.is_plain_temperature`, 
 take a shortcut on CUDA: one fused Triton kernel (`fused_sampling.gumbel_sample`, the same race in
 log space: argmax(logits / T + Gumbel noise)) reads the logits once, instead of the several [B, V]
 passes below. Its noise is counter-based, from a seed the sampler draws on the host for each call.
-Seeded rows never take it, so their tokens stay those of `seeded_exponential_noise`.
+Seeded rows never take it, so their tokens stay those of `seeded_exponential_noise`. Logit edits
+(bias, ban, masks: logit_edits.py) are applied to the logits before either path, so every path
+(greedy, filtered, seeded, fused, and each rank's slice) samples only allowed tokens.
 
 Under tensor parallelism greedy and plain-temperature batches sample from each rank's slice of the
 logits (`sample_slices`, vocab_parallel.py); others from the gathered logits (`sample`).
@@ -36,8 +39,8 @@ _MIN_NOISE = torch.finfo(torch.float32).tiny
 class SamplerOutput:
     """One sampled token per row, with log-probabilities when any row asked for them.
 
-    Log-probabilities are those of the raw model logits (before penalties, temperature and
-    filtering). top_* hold max_num_top_logprobs columns for every row, sorted by decreasing
+    Log-probabilities are those of the raw model logits (before penalties, logit bias, bans,
+    token masks, temperature and filtering). top_* hold max_num_top_logprobs columns for every row, sorted by decreasing
     logprob; rows that asked for fewer (or none) use a prefix (or ignore them).
     """
 
@@ -85,9 +88,16 @@ class Sampler:
             from worker_service.sampling.fused_sampling import gumbel_sample  # imports Triton: only when needed
 
             seed = self._fused_seeds.getrandbits(62)
+            if batch.logit_edits is not None:
+                logits = batch.logit_edits.apply(logits)
             return SamplerOutput(token_ids=gumbel_sample(logits, batch.inv_temperatures, seed))
         raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32) if batch.needs_logprobs else None
-        logits = apply_penalties(logits, batch)
+        penalised = apply_penalties(logits, batch)
+        if batch.logit_edits is not None:
+            # In place only on a tensor of our own: the caller's logits are never modified.
+            logits = batch.logit_edits.apply(penalised, in_place=penalised is not logits)
+        else:
+            logits = penalised
         if batch.is_all_greedy:
             token_ids = logits.argmax(dim=-1)
         else:
@@ -102,15 +112,18 @@ class Sampler:
     def sample_slices(self, logits: torch.Tensor, batch: SamplingBatch, vocab_slice: VocabSlice) -> SamplerOutput:
         """Samples from this rank's slice of the vocabulary (tensor parallelism: `logits` [B, columns],
         of which vocab_slice's are real tokens), exchanging each row's best with the other ranks (see
-        vocab_parallel): the tokens of sample() on the full logits. A collective: every rank calls it."""
+        vocab_parallel): the tokens of sample() on the full logits. A collective: every rank calls it.
+        Logit edits apply to this rank's columns of real tokens alone (never to the last rank's padding)."""
+        own = vocab_slice.own(logits)
+        if batch.logit_edits is not None:
+            own = batch.logit_edits.apply(own, vocab_slice.start)
         if batch.is_all_greedy:
-            best = argmax_of_slice(logits, vocab_slice)
+            best = argmax_of_slice(own, vocab_slice)
         else:
             from worker_service.sampling.fused_sampling import gumbel_best  # imports Triton: only when needed
 
             seed = self._fused_seeds.getrandbits(62)
-            best = gumbel_best(vocab_slice.own(logits), batch.inv_temperatures, seed, vocab_slice.start,
-                               vocab_slice.vocab_size)
+            best = gumbel_best(own, batch.inv_temperatures, seed, vocab_slice.start, vocab_slice.vocab_size)
         return SamplerOutput(token_ids=best_of_slices(*best))
 
     def _takes_fused_path(self, logits: torch.Tensor, batch: SamplingBatch) -> bool:

@@ -4,7 +4,8 @@
 sampler can skip every stage nobody asked for (all greedy: argmax only; no penalties: no [B, V]
 penalty tensors; no top-k/top-p/min-p: no sorting; temperature alone: one fused kernel on CUDA),
 and it copies each tensor to the device once, from pinned memory and without blocking, so building
-a batch never waits for the GPU.
+a batch never waits for the GPU. Logit edits (logit_bias, min_tokens, token masks) are laid out
+here and copied on first use, for the columns that use them (logit_edits.py).
 """
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ import numpy as np
 import torch
 
 from common.contract.sampling_params import SamplingParams
+from worker_service.sampling.host_copies import host_to_device
+from worker_service.sampling.host_copies import to_device as _to_device
+from worker_service.sampling.logit_edits import LogitEdits, TokenBias, build_logit_edits
 
 # Odd 64-bit constants (from splitmix64) used to mix (seed, output_index) into one generator seed.
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15
@@ -30,16 +34,23 @@ _NEUTRAL = SamplingParams()  # the defaults: what rows without a stage hold
 class SamplingRows:
     """What SamplingBatch.build lays out. Row i samples output token number output_index[i] (0 for
     the first) of a sequence whose prompt and output so far are given; the token lists are read
-    only for rows with a penalty (prompt tokens only for the repetition penalty)."""
+    only for rows with a penalty (prompt tokens only for the repetition penalty). The last three
+    are one per row, or empty for none."""
 
     params: Sequence[SamplingParams]
     prompt_token_ids: Sequence[Sequence[int] | None]  # None where the worker keeps no history
     output_token_ids: Sequence[Sequence[int]]
     output_index: Sequence[int]
+    token_masks: Sequence[np.ndarray | None] = ()  # this step's packed allowed bits (token_masks.py)
+    min_tokens_banned_ids: Sequence[Sequence[int]] = ()  # banned while output_index < min_tokens
+    logit_biases: Sequence[TokenBias | None] = ()  # params' logit_bias as arrays; empty: made from params
 
     def __post_init__(self) -> None:
         if not len(self.prompt_token_ids) == len(self.output_token_ids) == len(self.output_index) == len(self.params):
             raise ValueError("params, prompt_token_ids, output_token_ids and output_index differ in length")
+        for name in ("token_masks", "min_tokens_banned_ids", "logit_biases"):
+            if len(getattr(self, name)) not in (0, len(self.params)):
+                raise ValueError(f"{name}: one per row or none")
 
 
 def generator_seed(seed: int, output_index: int) -> int:
@@ -54,19 +65,6 @@ def generator_seed(seed: int, output_index: int) -> int:
     x = ((x ^ (x >> 30)) * _MIX_1) & _MASK_64
     x = ((x ^ (x >> 27)) * _MIX_2) & _MASK_64
     return (x ^ (x >> 31)) & _MASK_63
-
-
-def _to_device(values: Sequence[float] | Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """One host-to-device copy that never blocks the host: pinned memory on CUDA."""
-    pin = device.type == "cuda"
-    return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=pin)
-
-
-def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Like _to_device, for a host tensor: the worker's one way of moving step inputs."""
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _scatter_token_rows(
@@ -122,6 +120,9 @@ class SamplingBatch:
     seeded_row_index: torch.Tensor | None  # [S] int64 device copy of seeded_rows
     max_num_top_logprobs: int
     needs_logprobs: bool
+    # logit_bias, the min_tokens ban and token masks (logit_edits.py); None when no row has one.
+    # They do not make a batch less plain: they are applied before any sampling path.
+    logit_edits: LogitEdits | None
 
     @classmethod
     def build(cls, rows: SamplingRows, vocab_size: int, device: torch.device | str) -> SamplingBatch:
@@ -162,7 +163,23 @@ class SamplingBatch:
             seeded_row_index=_to_device(seeded_rows, torch.int64, device) if seeded_rows else None,
             max_num_top_logprobs=max((p.num_top_logprobs for p in logprob_rows), default=0),
             needs_logprobs=bool(logprob_rows),
+            logit_edits=_logit_edits(rows, vocab_size),
         )
+
+
+def _logit_edits(rows: SamplingRows, vocab_size: int) -> LogitEdits | None:
+    params, num_rows = rows.params, len(rows.params)
+    masks = rows.token_masks or [None] * num_rows
+    if not any(p.min_tokens or p.logit_bias for p in params) and all(mask is None for mask in masks):
+        return None
+    banned_ids = rows.min_tokens_banned_ids or [()] * num_rows
+    banned = [ids if index < p.min_tokens else ()
+              for p, ids, index in zip(params, banned_ids, rows.output_index, strict=True)]
+    given = rows.logit_biases or [None] * num_rows
+    # A row whose arrays were not made (rows built by hand) makes them here.
+    biases = [bias if bias is not None or not p.logit_bias else TokenBias.of(p.logit_bias, vocab_size)
+              for p, bias in zip(params, given, strict=True)]
+    return build_logit_edits(biases, banned, masks)
 
 
 def _greedy_mask(params: Sequence[SamplingParams], device: torch.device) -> torch.Tensor | None:

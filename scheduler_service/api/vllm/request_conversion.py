@@ -2,15 +2,16 @@
 
 The same checks and the same statuses as our own API (request_conversion): every refusal is a
 RequestError (INVALID_ARGUMENT) whose message starts with the field's path in this proto
-(`sampling_params.top_p`, `tokenized.input_ids`). A field we cannot honour yet is refused by name,
-never ignored: structured output (the `constraint` oneof), n > 1, min_tokens, logit_bias, prompt
-logprobs, prompt truncation, multimodal inputs and the disaggregation fields.
+(`sampling_params.top_p`, `tokenized.input_ids`). A field we cannot honour is refused by name,
+never ignored: structural tags, prompt truncation, "all" (-1) logprobs, multimodal inputs and the
+disaggregation fields.
 
 proto3 cannot tell an unset plain scalar from zero, so the zeros that vLLM itself reads as "unset"
 are read so here too: top_p 0 and repetition_penalty 0 mean 1 (neither is a valid value), top_k 0
-means no limit, n 0 means 1. skip_special_tokens and spaces_between_special_tokens shape text,
-which this dialect never returns (the gateway detokenizes the ids), so they change nothing.
-grammar_from_first_token qualifies a constraint, and every constraint is refused.
+means no limit, n 0 means 1, json_object false means no constraint. skip_special_tokens and
+spaces_between_special_tokens shape text, which this dialect never returns (the gateway detokenizes
+the ids), so they change nothing. grammar_from_first_token changes nothing either: this engine runs
+no reasoning parser, so a constraint always starts at the first generated token.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from smg_grpc_proto.generated import vllm_engine_pb2
 
-from common.contract.sampling_params import SamplingParams
+from common.contract.constraint import Constraint
+from common.contract.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from common.contract.worker_description import WorkerDescription
 from scheduler_service.api.request_conversion import (
     MAX_REQUEST_ID_BYTES,
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 _PARAM_TO_FIELD = {
     "include_stop_in_output": "sampling_params.include_stop_str_in_output",
     "num_top_logprobs": "sampling_params.logprobs",
+    "num_prompt_logprobs": "sampling_params.prompt_logprobs",
 }
 # Request fields of modes this engine does not have: multimodal inputs and prefill/decode disaggregation.
 _UNSUPPORTED_REQUEST_FIELDS = {
@@ -90,19 +93,39 @@ def prompt_token_ids(request: vllm_engine_pb2.GenerateRequest, tokenizer: Tokeni
 
 
 def _check_sampling_supported(params: vllm_engine_pb2.SamplingParams) -> None:
-    constraint = params.WhichOneof("constraint")
-    if constraint is not None:
-        raise RequestError(f"sampling_params.{constraint}: structured output is not supported yet")
-    if params.n > 1:
-        raise RequestError(f"sampling_params.n: only 1 sample per request is supported yet, got {params.n}")
-    if params.min_tokens:
-        raise RequestError(f"sampling_params.min_tokens: not supported yet, got {params.min_tokens}")
-    if params.logit_bias:
-        raise RequestError("sampling_params.logit_bias: not supported yet")
-    if params.HasField("prompt_logprobs"):
-        raise RequestError("sampling_params.prompt_logprobs: prompt logprobs are not supported")
+    if params.WhichOneof("constraint") == "structural_tag":
+        raise RequestError("sampling_params.structural_tag: structural tags are not supported "
+                           "(json_schema, regex, grammar, json_object and choice are)")
+    for name in ("logprobs", "prompt_logprobs"):
+        if params.HasField(name) and getattr(params, name) < 0:
+            raise RequestError(f"sampling_params.{name}: must be in [0, {MAX_TOP_LOGPROBS}], got "
+                               f"{getattr(params, name)} (-1, every token of the vocabulary, is not supported)")
     if params.HasField("truncate_prompt_tokens"):
         raise RequestError("sampling_params.truncate_prompt_tokens: prompt truncation is not supported")
+
+
+def constraint_of(params: vllm_engine_pb2.SamplingParams) -> Constraint | None:
+    """The request's structured-output constraint (None: free text); errors name this proto's field."""
+    kind = params.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not params.json_object):
+        return None
+    value: str | tuple[str, ...] = ""
+    if kind == "choice":
+        value = tuple(params.choice.choices)
+    elif kind != "json_object":
+        value = getattr(params, kind)
+    try:
+        return Constraint(kind, value)
+    except ValueError as exc:
+        raise RequestError(vllm_field_message(str(exc))) from exc
+
+
+def vllm_field_message(message: str) -> str:
+    """A constraint's error (`constraint.regex: ...`) as this proto names the field (`sampling_params.regex`);
+    any other message as it is."""
+    if not message.startswith("constraint."):
+        return message
+    return "sampling_params." + message.removeprefix("constraint.")
 
 
 def sampling_params(request: vllm_engine_pb2.GenerateRequest, num_prompt_tokens: int,
@@ -121,6 +144,10 @@ def sampling_params(request: vllm_engine_pb2.GenerateRequest, num_prompt_tokens:
         "stop_token_ids": tuple(params.stop_token_ids),
         "ignore_eos": params.ignore_eos,
         "include_stop_in_output": params.include_stop_str_in_output,
+        "n": params.n or 1,
+        "min_tokens": params.min_tokens,
+        "logit_bias": tuple(sorted(params.logit_bias.items())),
+        "constraint": constraint_of(params),
     }
     if params.HasField("temperature"):
         values["temperature"] = float32_value(params.temperature)
@@ -128,12 +155,15 @@ def sampling_params(request: vllm_engine_pb2.GenerateRequest, num_prompt_tokens:
         values["seed"] = params.seed
     if params.HasField("logprobs"):  # vLLM's: the sampled token's logprob and this many alternatives
         values["logprobs"], values["num_top_logprobs"] = True, params.logprobs
+    if params.HasField("prompt_logprobs"):
+        values["num_prompt_logprobs"] = params.prompt_logprobs
     room = model_info.max_model_len - num_prompt_tokens
     values["max_tokens"] = params.max_tokens if params.HasField("max_tokens") else room
     if values["max_tokens"] > room:
         raise RequestError(f"sampling_params.max_tokens: {params.max_tokens} + {num_prompt_tokens} prompt tokens "
                            f"exceed max_model_len {model_info.max_model_len} (at most {room})")
     check_vocabulary(list(params.stop_token_ids), "sampling_params.stop_token_ids", model_info.vocab_size)
+    check_vocabulary(sorted(params.logit_bias), "sampling_params.logit_bias", model_info.vocab_size)
     try:
         return SamplingParams(**values)
     except ValueError as exc:

@@ -4,7 +4,9 @@ Generate's shape is the one the gateway reads (smg's proto_wrapper calls it the 
 chunks, cumulative Complete"): with `stream` set, one chunk per engine delta carrying that delta's
 token_ids (the gateway counts and detokenizes them), the running counts so far, and its logprobs;
 then one `complete` with every output id, the totals, the finish reason as vLLM spells it
-("stop", "length", "abort") and the matched stop. Without `stream`, the `complete` alone.
+("stop", "length", "abort") and the matched stop. Without `stream`, the `complete` alone. With n > 1
+samples, each sample's chunks and complete carry its index; prompt logprobs (input_logprobs) come
+with sample 0's first chunk and its complete.
 """
 from __future__ import annotations
 
@@ -35,6 +37,22 @@ def _version() -> str:
         return "unknown"
 
 
+def input_logprobs(output: RequestOutput, first_prompt_token: int) -> vllm_engine_pb2.InputLogProbs | None:
+    """The prompt tokens' logprobs as vLLM gives them: one entry per prompt token, the first without a value."""
+    if output.prompt_logprobs is None:
+        return None
+    scores = output.prompt_logprobs
+    return vllm_engine_pb2.InputLogProbs(
+        token_logprobs=[vllm_engine_pb2.InputTokenLogProb(), *(vllm_engine_pb2.InputTokenLogProb(value=lp)
+                                                               for _, lp, _ in scores)],
+        token_ids=[first_prompt_token, *(token_id for token_id, _, _ in scores)],
+        top_logprobs=[vllm_engine_pb2.TopLogProbs(), *(_top(top) for _, _, top in scores)])
+
+
+def _top(top: list[tuple[int, float]]) -> vllm_engine_pb2.TopLogProbs:
+    return vllm_engine_pb2.TopLogProbs(values=[lp for _, lp in top], token_ids=[t for t, _ in top])
+
+
 def output_logprobs(output: RequestOutput) -> vllm_engine_pb2.OutputLogProbs | None:
     """The delta's logprobs (None when the request asked for none)."""
     if not output.logprobs:
@@ -42,18 +60,20 @@ def output_logprobs(output: RequestOutput) -> vllm_engine_pb2.OutputLogProbs | N
     tops = output.top_logprobs or [[] for _ in output.logprobs]
     return vllm_engine_pb2.OutputLogProbs(
         token_logprobs=output.logprobs, token_ids=output.token_ids,
-        top_logprobs=[vllm_engine_pb2.TopLogProbs(values=[lp for _, lp in top], token_ids=[t for t, _ in top])
-                      for top in tops] if output.top_logprobs else [])
+        top_logprobs=[_top(top) for top in tops] if output.top_logprobs else [])
 
 
 class GenerateResponses:
-    """Turns one request's engine deltas into its Generate messages (chunks, then the complete)."""
+    """Turns one sample's engine deltas into its Generate messages (chunks, then the complete)."""
 
-    def __init__(self, stream: bool) -> None:
+    def __init__(self, stream: bool, index: int = 0, first_prompt_token: int = 0) -> None:
         self.stream = stream
+        self.index = index
+        self.first_prompt_token = first_prompt_token
         self.output_ids: list[int] = []
         self.logprobs = vllm_engine_pb2.OutputLogProbs()
         self.has_logprobs = False
+        self.input_logprobs: vllm_engine_pb2.InputLogProbs | None = None
         self.last: RequestOutput | None = None
 
     def add(self, output: RequestOutput) -> list[vllm_engine_pb2.GenerateResponse]:
@@ -64,12 +84,15 @@ class GenerateResponses:
         if logprobs is not None:
             self.has_logprobs = True
             self.logprobs.MergeFrom(logprobs)
+        prompt_scores = input_logprobs(output, self.first_prompt_token)
+        if prompt_scores is not None:
+            self.input_logprobs = prompt_scores
         messages = []
         if self.stream and output.token_ids:
             messages.append(vllm_engine_pb2.GenerateResponse(chunk=vllm_engine_pb2.GenerateStreamChunk(
                 token_ids=output.token_ids, prompt_tokens=output.num_prompt_tokens,
                 completion_tokens=output.num_output_tokens, cached_tokens=output.num_cached_tokens,
-                output_logprobs=logprobs)))
+                output_logprobs=logprobs, input_logprobs=prompt_scores, index=self.index)))
         if output.finished:
             messages.append(self.complete(FINISH_REASON_TO_VLLM[output.finish_reason or FinishReason.STOP],
                                           output.matched_stop))
@@ -88,7 +111,8 @@ class GenerateResponses:
         message = vllm_engine_pb2.GenerateComplete(
             output_ids=self.output_ids, finish_reason=finish_reason, prompt_tokens=last.num_prompt_tokens,
             completion_tokens=len(self.output_ids), cached_tokens=last.num_cached_tokens,
-            output_logprobs=self.logprobs if self.has_logprobs else None)
+            output_logprobs=self.logprobs if self.has_logprobs else None, input_logprobs=self.input_logprobs,
+            index=self.index)
         if isinstance(matched_stop, str):
             message.matched_stop_str = matched_stop
         elif isinstance(matched_stop, int):

@@ -87,17 +87,22 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         with RequestRecord(self.metrics, "VllmEngine.Generate", request_id, context,
                            self.text_api.served_model_name()) as record:
             prompt, params = await self.text_api._run_tokenizer(self._convert, request)
-            responses = GenerateResponses(request.stream)
+            samples = [GenerateResponses(request.stream, index, prompt[0]) for index in range(params.n)]
             with self.aborts.track(request_id) as handle:
                 async with contextlib.aclosing(self.engine.generate(prompt, params)) as outputs, \
                         contextlib.aclosing(handle.iterate(outputs)) as abortable:
-                    async for output in abortable:
-                        record.on_output(output)
-                        for message in responses.add(output):
-                            yield message
+                    try:
+                        async for output in abortable:
+                            record.on_output(output)
+                            for message in samples[output.index].add(output):
+                                yield message
+                    except RequestError as error:  # a constraint that does not compile, named as this proto does
+                        raise RequestError(convert.vllm_field_message(str(error))) from error
                 if handle.is_aborted:
-                    record.on_output(responses.aborted())
-                    yield responses.complete("abort")
+                    record.on_output(samples[0].aborted())
+                    for sample in samples:
+                        if sample.last is None or not sample.last.finished:
+                            yield sample.complete("abort")
 
     async def Abort(self, request: vllm_engine_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> vllm_engine_pb2.AbortResponse:
