@@ -42,7 +42,10 @@ def write_token_mask(bitmask: np.ndarray, vocab_size: int, mask: worker_pb2.Toke
     smallest form; allowed: their number when the caller counted them already."""
     if allowed is None:
         allowed = num_allowed(bitmask)
-    num_bytes = (vocab_size + 7) // 8
+    # The bitmask ends with the last word holding an allowed token (the worker forbids the rest):
+    # a vocabulary padded past the tokenizer's (Qwen3's 151,936 ids for 49,152 tokens) costs nothing.
+    num_words = int(np.flatnonzero(bitmask)[-1]) + 1 if allowed else 1
+    num_bytes = min(4 * num_words, (vocab_size + 7) // 8)
     id_bytes = varint_bytes(vocab_size - 1)  # an upper bound per listed id
     if allowed * id_bytes <= num_bytes:
         mask.allowed_ids.ids.extend(np.flatnonzero(_bits(bitmask, vocab_size)).tolist())

@@ -66,18 +66,21 @@ def test_the_three_forms_decode_to_the_same_bits() -> None:
     # Bits past the vocabulary (here 13..15) are padding: cleared, never a token.
     padded = worker_pb2.TokenMask(allowed_bitmask=bytes([0b00100001, 0b11110000]))
     assert np.array_equal(decode_token_mask(padded, vocab_size), expected)
+    # A shorter bitmask forbids the tokens past its end.
+    short = decode_token_mask(worker_pb2.TokenMask(allowed_bitmask=bytes([0b00100001])), vocab_size)
+    assert np.unpackbits(short, bitorder="little")[:vocab_size].nonzero()[0].tolist() == [0, 5]
 
 
 @pytest.mark.parametrize(("mask", "message"), [
     (worker_pb2.TokenMask(), r"^token_mask: no form set"),
-    (worker_pb2.TokenMask(allowed_bitmask=b"\x01"), r"^token_mask\.allowed_bitmask: must be 2 bytes for a "
-                                                    r"vocabulary of 13, got 1$"),
+    (worker_pb2.TokenMask(allowed_bitmask=b"\x01\x00\x00"), r"^token_mask\.allowed_bitmask: must be 1..2 bytes "
+                                                            r"for a vocabulary of 13, got 3$"),
     (worker_pb2.TokenMask(allowed_bitmask=b"\x00\xe0"), r"^token_mask\.allowed_bitmask: allows no token$"),
     (allowed_ids(3, 13), r"^token_mask\.allowed_ids: ids must be in \[0, 13\), got 13$"),
     (forbidden_ids(-1), r"^token_mask\.forbidden_ids: ids must be in \[0, 13\), got -1$"),
     (allowed_ids(), r"^token_mask\.allowed_ids: allows no token$"),
     (forbidden_ids(*range(13)), r"^token_mask\.forbidden_ids: allows no token$"),
-], ids=["no_form", "short_bitmask", "empty_bitmask", "id_too_large", "negative_id", "no_ids", "all_forbidden"])
+], ids=["no_form", "long_bitmask", "empty_bitmask", "id_too_large", "negative_id", "no_ids", "all_forbidden"])
 def test_malformed_masks_name_the_field(mask: worker_pb2.TokenMask, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         decode_token_mask(mask, 13)

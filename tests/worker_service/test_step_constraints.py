@@ -116,8 +116,8 @@ def test_min_tokens_holds_eos_back_until_its_index(driver: StepDriver, reference
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    (lambda d: d.new(1, PROMPT, P(), mask=bitmask([1], 8)),
-     r"^sequence 1: token_mask\.allowed_bitmask: must be 64 bytes for a vocabulary of 512, got 1$"),
+    (lambda d: d.new(1, PROMPT, P(), mask=bitmask([1], 520)),
+     r"^sequence 1: token_mask\.allowed_bitmask: must be 1\.\.64 bytes for a vocabulary of 512, got 65$"),
     (lambda d: d.new(1, PROMPT, P(), mask=allowed_ids(512)),
      r"^sequence 1: token_mask\.allowed_ids: ids must be in \[0, 512\), got 512$"),
     (lambda d: d.new(1, PROMPT, P(), mask=forbidden_ids(*range(VOCAB_SIZE))),

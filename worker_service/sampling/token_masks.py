@@ -19,17 +19,19 @@ def num_mask_bytes(vocab_size: int) -> int:
 
 def decode_token_mask(mask: worker_pb2.TokenMask, vocab_size: int) -> np.ndarray:
     """The allowed tokens of `mask` as packed bits ([num_mask_bytes] uint8; bits past the vocabulary
-    clear). Raises ValueError naming the field when the mask is malformed: no form, a bitmask of the
-    wrong length, an id outside [0, vocab_size), or no allowed token."""
+    clear). Raises ValueError naming the field when the mask is malformed: no form, a bitmask empty or
+    longer than the vocabulary, an id outside [0, vocab_size), or no allowed token."""
     form = mask.WhichOneof("form")
     num_bytes = num_mask_bytes(vocab_size)
     if form is None:
         raise ValueError("token_mask: no form set (allowed_bitmask, allowed_ids or forbidden_ids)")
     if form == "allowed_bitmask":
-        if len(mask.allowed_bitmask) != num_bytes:
-            raise ValueError(f"token_mask.allowed_bitmask: must be {num_bytes} bytes for a vocabulary of "
-                             f"{vocab_size}, got {len(mask.allowed_bitmask)}")
-        bits = np.frombuffer(mask.allowed_bitmask, dtype=np.uint8).copy()
+        num_sent = len(mask.allowed_bitmask)
+        if not 1 <= num_sent <= num_bytes:
+            raise ValueError(f"token_mask.allowed_bitmask: must be 1..{num_bytes} bytes for a vocabulary of "
+                             f"{vocab_size}, got {num_sent}")
+        bits = np.zeros(num_bytes, dtype=np.uint8)  # the tokens past a shorter bitmask's end are forbidden
+        bits[:num_sent] = np.frombuffer(mask.allowed_bitmask, dtype=np.uint8)
         if vocab_size % 8:  # the last byte's bits past the vocabulary are padding: never a token
             bits[-1] &= (1 << (vocab_size % 8)) - 1
     else:
