@@ -4,13 +4,15 @@ scheduler process started by the `nanovllm` CLI, all requests sent at once by an
     python bench/structured_output.py --modes mixed,parallel --tokenizer-json tok.json   # on a GPU
     python bench/structured_output.py --model default --device cpu --modes single-stream  # on a CPU
 
-- mixed: the reference workload twice, unconstrained and with every other request constrained by
-  a small JSON schema (free strings, so the constrained half runs to its max_tokens like the other),
-  alternating, each twice; output tok/s of each and their ratio.
+- mixed: the reference workload unconstrained and with every other request constrained by a small
+  JSON schema (free strings, so the constrained half mostly runs to its max_tokens like the other),
+  alternating, each twice; output tok/s of each and their ratio. Once per --grammar-masks mode (the
+  scheduler restarted with it, the worker kept): "worker" (the worker advances the grammar) and
+  "scheduler" (the scheduler sends each step's mask; a constrained sequence skips the lookahead).
 - parallel: the workload's first 64 prompts with n = 4 (64 requests), against the same 64 prompts
-  sent 4 times each (256 requests); tok/s, and the prompt tokens computed (prefix-cache lookups
-  minus hits, from the scheduler's metrics) of each. The second set's prompts differ in their first
-  token, so neither run is served by the other's cache.
+  sent 4 times each (256 requests), the same sampling parameters (unseeded); tok/s, and the prompt
+  tokens computed (prefix-cache lookups minus hits, from the scheduler's metrics) of each. The second
+  set's prompts differ in their first token, so neither run is served by the other's cache.
 - single-stream: one greedy stream of the default model, unconstrained and constrained by a JSON
   schema; milliseconds per output token after the first, median of --repeats runs each.
 
@@ -27,6 +29,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -61,6 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--num-decode-steps", type=int, default=4)
+    parser.add_argument("--grammar-masks", default="worker,scheduler", help="the scheduler's modes to run mixed in")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--json-out", help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -109,6 +113,7 @@ def output_tokens(response) -> int:
 
 async def mixed(args: argparse.Namespace, stub) -> dict:
     from common.client import build_request
+    from common.generated.nanovllm.generate.v1 import generate_pb2
 
     prompts, max_tokens = workload(args)
 
@@ -120,9 +125,10 @@ async def mixed(args: argparse.Namespace, stub) -> dict:
     runs = []
     for constrained in (False, True, False, True):
         num_tokens, seconds, responses = await run_requests(stub, requests(constrained))
-        reasons = [r.finish_reason for i, r in enumerate(responses) if i % 2]
+        reasons = Counter(generate_pb2.FinishReason.Name(r.finish_reason) for i, r in enumerate(responses) if i % 2)
         runs.append({"constrained": constrained, "output_tokens": num_tokens, "seconds": seconds,
-                     "tok_s": num_tokens / seconds, "constrained_half_finish_reasons": reasons})
+                     "tok_s": num_tokens / seconds, "odd_half_finish_reasons": dict(reasons),
+                     "odd_half_output_tokens": sum(output_tokens(r) for i, r in enumerate(responses) if i % 2)})
     plain = [r["tok_s"] for r in runs if not r["constrained"]]
     half = [r["tok_s"] for r in runs if r["constrained"]]
     return {"runs": runs, "ratio_per_pair": [c / u for u, c in zip(plain, half, strict=True)]}
@@ -144,8 +150,8 @@ async def parallel(args: argparse.Namespace, stub, metrics_port: int) -> dict:
     for name, first_token in (("n", 10001), ("repeated", 10002)):
         varied = [[first_token, *p[1:]] for p in prompts]
         if name == "n":
-            requests = [build_request(p, max_tokens=m, temperature=args.temperature, ignore_eos=True, n=args.n, seed=i)
-                        for i, (p, m) in enumerate(zip(varied, max_tokens, strict=True))]
+            requests = [build_request(p, max_tokens=m, temperature=args.temperature, ignore_eos=True, n=args.n)
+                        for p, m in zip(varied, max_tokens, strict=True)]
         else:
             requests = [build_request(p, max_tokens=m, temperature=args.temperature, ignore_eos=True)
                         for p, m in zip(varied, max_tokens, strict=True) for _ in range(args.n)]
@@ -179,7 +185,7 @@ async def single_stream(args: argparse.Namespace, stub) -> dict:
     return results
 
 
-async def client(args: argparse.Namespace, target: str, metrics_port: int) -> dict:
+async def client(args: argparse.Namespace, target: str, metrics_port: int, modes: list[str]) -> dict:
     import grpc
 
     from common.client import GenerationClient, build_request
@@ -194,7 +200,6 @@ async def client(args: argparse.Namespace, target: str, metrics_port: int) -> di
                   for _ in range(8)]
         await asyncio.gather(*(stub.Generate(r) for r in warmup))
         results: dict = {}
-        modes = args.modes.split(",")
         if "mixed" in modes:
             results["mixed"] = await mixed(args, stub)
         if "parallel" in modes:
@@ -213,16 +218,23 @@ def main() -> int:
     from tests.services_harness import cli, free_port, stop
 
     model = model_path(args)
-    worker_port, port, metrics_port = free_port(), free_port(), free_port()
+    worker_port = free_port()
     worker = _start_worker(args, model, worker_port, None)
-    scheduler = cli("scheduler", "--worker", f"127.0.0.1:{worker_port}", "--port", str(port),
-                    "--metrics-port", str(metrics_port), "--max-num-seqs", str(args.max_num_seqs),
-                    "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                    "--num-decode-steps", str(args.num_decode_steps))
+    modes, results = args.modes.split(","), {}
     try:
-        results = asyncio.run(client(args, f"127.0.0.1:{port}", metrics_port))
+        for index, grammar_masks in enumerate(args.grammar_masks.split(",")):
+            # The other modes once, with the first --grammar-masks; mixed with each.
+            wanted = modes if index == 0 else [m for m in modes if m == "mixed"]
+            port, metrics_port = free_port(), free_port()
+            scheduler = cli("scheduler", "--worker", f"127.0.0.1:{worker_port}", "--port", str(port),
+                            "--metrics-port", str(metrics_port), "--max-num-seqs", str(args.max_num_seqs),
+                            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                            "--num-decode-steps", str(args.num_decode_steps), "--grammar-masks", grammar_masks)
+            try:
+                results[grammar_masks] = asyncio.run(client(args, f"127.0.0.1:{port}", metrics_port, wanted))
+            finally:
+                stop(scheduler)
     finally:
-        stop(scheduler)
         stop(worker)
     print(json.dumps(results, indent=1, default=str))
     if args.json_out:

@@ -10,6 +10,7 @@ import re
 import shlex
 import subprocess
 
+import jsonschema
 import pytest
 
 from common.client import GenerationClient
@@ -70,6 +71,19 @@ def test_every_grpcurl_example_succeeds_and_prints_what_the_readme_shows(server:
     assert len(messages) > 1 and "".join(m.get("text", "") for m in messages).strip()
     [(ids_command, ids_output)] = [(cmd, out) for cmd, out in outputs.items() if '"token_ids"' in cmd]
     assert_prints_what_the_readme_shows(server, shlex.split(ids_command), json_messages(ids_output))
+    [(schema_command, schema_output)] = [(cmd, out) for cmd, out in outputs.items() if "json_schema" in cmd]
+    assert_json_answer_is_what_the_readme_shows(shlex.split(schema_command), json_messages(schema_output))
+
+
+def assert_json_answer_is_what_the_readme_shows(command: list[str], messages: list[dict]) -> None:
+    """The structured-output example answers valid JSON of its schema, the text the README quotes."""
+    request = json.loads(command[command.index("-d") + 1])
+    [response] = messages
+    jsonschema.validate(json.loads(response["text"]), json.loads(request["constraint"]["json_schema"]))
+    quoted = re.search(r'# "text": ("(?:[^"\\]|\\.)*"), 12 tokens, "finish_reason": "FINISH_REASON_STOP"', README)
+    assert quoted is not None, "the README no longer quotes the JSON answer"
+    assert response["text"] == json.loads(quoted.group(1)) and len(response["token_ids"]) == 12
+    assert response["finish_reason"] == "FINISH_REASON_STOP"
 
 
 def assert_prints_what_the_readme_shows(server: str, command: list[str], messages: list[dict]) -> None:
