@@ -20,10 +20,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import jsonschema
 import openai
 import pytest
 
 from common.client import GenerationClient
+from common.generated.nanovllm.generate.v1 import generate_pb2
 from common.security.api_keys import API_KEY_REFUSAL
 from tests.metrics_scrape import scrape
 from tests.services_harness import cli, free_port, stop, wait_until
@@ -185,7 +187,33 @@ def test_a_stop_string_ends_the_answer_as_ours(served: tuple[Replica, openai.Ope
     assert answer.usage is not None and answer.usage.completion_tokens == expected.usage.completion_tokens
 
 
-@pytest.mark.parametrize(("parameter", "bad"), [("n", 2), ("temperature", -1.0), ("top_p", 2.0)])
+def test_a_json_schema_answer_through_the_gateway_validates_and_is_ours(served: tuple[Replica, openai.OpenAI]) -> None:
+    """OpenAI's response_format reaches our constraint through the gateway (VllmEngine's json_schema)."""
+    ours, client = served
+    schema = {"type": "object", "additionalProperties": False, "required": ["color", "size"],
+              "properties": {"color": {"enum": ["red", "green", "blue"]}, "size": {"type": "integer", "maximum": 99}}}
+    answer = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "thing", "schema": schema}})
+    content = answer.choices[0].message.content or ""
+    jsonschema.validate(json.loads(content), schema)
+    assert answer.choices[0].finish_reason == "stop"
+    expected = ours.client.generate(messages=MESSAGES, max_tokens=40, temperature=0,
+                                    constraint=generate_pb2.Constraint(json_schema=json.dumps(schema)))
+    assert content == expected.text
+
+
+def test_n_samples_through_the_gateway_are_ours(served: tuple[Replica, openai.OpenAI]) -> None:
+    ours, client = served
+    expected = ours.client.generate(PROMPT, max_tokens=8, temperature=1.0, seed=5, n=3)
+    answer = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=5, n=3)
+    texts = {choice.index: choice.text for choice in answer.choices}
+    assert sorted(texts) == [0, 1, 2]
+    assert all(same_text(texts[sample.index], sample.text) for sample in expected.samples)
+    assert len({sample.text for sample in expected.samples}) == 3
+
+
+@pytest.mark.parametrize(("parameter", "bad"), [("n", 33), ("temperature", -1.0), ("top_p", 2.0)])
 def test_a_bad_parameter_is_a_400_naming_it(served: tuple[Replica, openai.OpenAI], parameter: str,
                                             bad: float) -> None:
     _, client = served
