@@ -94,7 +94,8 @@ class LLM:
     def generate(self, prompts: Prompt | SequenceABC[Prompt],
                  sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict[str, Any]]:
-        """Returns {"text", "token_ids", "finish_reason"} per prompt, in prompt order."""
+        """Returns {"text", "token_ids", "finish_reason"} per prompt, in prompt order; with n > 1 those of
+        sample 0, and "samples": every sample's, in index order."""
         engine, worker = self.engine, self.worker
         if worker is None:
             raise RuntimeError("generate: this LLM is closed")
@@ -105,12 +106,16 @@ class LLM:
         for tokens in token_lists:  # all of them before any is queued
             engine.validate(tokens)
         constraints = [self._compile(p) for p in params_list]  # all of them too (cached: once per constraint)
-        sequences = [engine.add_request(t, p, self.tokenizer, c)
-                     for t, p, c in zip(token_lists, params_list, constraints, strict=True)]
-        progress = _Progress(sequences, use_tqdm)
+        groups = [engine.add_samples(t, p, self.tokenizer, c)
+                  for t, p, c in zip(token_lists, params_list, constraints, strict=True)]
+        progress = _Progress([seq for group in groups for seq in group], use_tqdm)
         _run_to_end(drive(engine, lambda step, ahead: _read_back(worker.launch(step.request)), progress.on_step))
         progress.bar.close()
-        return [_result(seq, engine.text_of(seq)) for seq in sequences]
+        results = []
+        for group in groups:
+            samples = [_result(seq, engine.text_of(seq)) for seq in group]
+            results.append(samples[0] if len(samples) == 1 else {**samples[0], "samples": samples})
+        return results
 
 
     def _compile(self, params: SamplingParams) -> Callable[[], ConstraintState] | None:
