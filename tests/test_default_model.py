@@ -90,3 +90,34 @@ def test_the_offline_llm_takes_constrained_requests(default_llm: LLM) -> None:
     assert as_json["finish_reason"] == choice["finish_reason"] == "stop"
     with pytest.raises(ValueError, match=r"^constraint\.regex: "):
         default_llm.generate(prompt, SamplingParams(constraint=Constraint("regex", "[a-")), use_tqdm=False)
+
+
+def test_a_constrained_answer_is_the_same_chunked_and_from_the_prefix_cache(llm: LLM) -> None:
+    """A JSON-schema answer to a long prompt: the same tokens whether the prompt is computed whole,
+    in 32-token chunks, or mostly served by the prefix cache (float32 weights)."""
+    import json
+
+    import jsonschema
+
+    from common.contract.constraint import Constraint
+
+    name = {"type": "string", "maxLength": 30}
+    schema = {"type": "object", "required": ["city", "country"], "additionalProperties": False,
+              "properties": {"city": name, "country": name}}
+    chat = [{"role": "system", "content": "You answer questions about geography with short, exact facts. " * 4},
+            {"role": "user", "content": "Which city is the capital of France, and in which country is it? JSON."}]
+    prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(chat))
+    assert len(prompt) > 64
+    params = SamplingParams(temperature=0, max_tokens=48, constraint=Constraint("json_schema", json.dumps(schema)))
+    whole = llm.generate([prompt], params, use_tqdm=False)[0]
+    jsonschema.validate(json.loads(whole["text"]), schema)
+    chunked_llm = LLM(default_model_path(), block_size=16, cpu_kv_cache_bytes=1 << 28, cpu_weight_format="float32",
+                      max_num_batched_tokens=32)
+    try:
+        chunked = chunked_llm.generate([prompt], params, use_tqdm=False)[0]
+        hits_before = chunked_llm.engine.stats().num_prefix_hit_tokens
+        cached = chunked_llm.generate([prompt], params, use_tqdm=False)[0]
+        assert chunked_llm.engine.stats().num_prefix_hit_tokens - hits_before >= len(prompt) - 16
+    finally:
+        chunked_llm.close()
+    assert whole["token_ids"] == chunked["token_ids"] == cached["token_ids"]
