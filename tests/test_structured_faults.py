@@ -2,7 +2,9 @@
 worker while a constrained stream, an n = 3 seeded stream and a constrained seeded stream run; a
 new worker comes up; every request completes with every sample, each equal to its undisturbed
 run token for token (CPU, float32: a recompute gives the same logits), and the constrained ones
-still match their constraint (the scheduler's matcher resumes from the tokens it holds)."""
+still match their constraint (the scheduler's matcher resumes from the tokens it holds; with the worker
+advancing the grammars, the new worker's matchers from the output tokens each NewSequence lists), with
+either --grammar-masks."""
 from __future__ import annotations
 
 import json
@@ -15,6 +17,7 @@ import grpc
 import pytest
 
 from common.client import GenerationClient
+from common.contract.config import SchedulerConfig
 from common.generated.nanovllm.generate.v1 import generate_pb2, generate_pb2_grpc
 from tests.services_harness import InProcessScheduler, free_port, start_worker, stop
 from tests.tiny_models import make_tiny_checkpoint, save_tiny_bpe_tokenizer
@@ -91,13 +94,15 @@ def check(results: dict[str, dict[int, dict]], tokenizer_json: Path) -> None:
     assert len({tuple(s["token_ids"]) for s in results["n3_seeded"].values()}) == 3  # each its own seed stream
 
 
-def test_constrained_and_parallel_requests_survive_a_killed_worker(slow_model: Path) -> None:
+@pytest.mark.parametrize("grammar_masks", ["worker", "scheduler"])
+def test_constrained_and_parallel_requests_survive_a_killed_worker(slow_model: Path, grammar_masks: str) -> None:
     port = free_port()
     worker = start_worker(slow_model, port)
-    scheduler = InProcessScheduler(slow_model, port).start()
+    scheduler = InProcessScheduler(slow_model, port, SchedulerConfig(grammar_masks=grammar_masks)).start()
     try:
         with GenerationClient(scheduler.target) as client:
             client.wait_ready(timeout=120)
+        assert scheduler.engine.lanes[0].core.grammars_on_worker == (grammar_masks == "worker")
         with grpc.insecure_channel(scheduler.target) as channel:
             stub = generate_pb2_grpc.TextGenerationStub(channel)
             calls = {name: stub.GenerateStream(request, timeout=300) for name, request in requests().items()}

@@ -2,11 +2,14 @@
 the scheduler's engine and public gRPC server in this process, requests over a real socket. Each
 constrained output matches its constraint (json_schema parses and validates, regex matches, choice is
 one of them), greedy and sampled, with a chat prompt, streamed, with stop strings and logprobs;
-STOP when the grammar completes, LENGTH when max_tokens cuts it; and the refusals and limits."""
+STOP when the grammar completes, LENGTH when max_tokens cuts it; and the refusals and limits. The
+worker advances the grammars (--grammar-masks worker, the default); with the scheduler's masks
+(a second worker and scheduler) greedy answers are the same, token for token."""
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import grpc
 import jsonschema
@@ -14,9 +17,10 @@ import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from common.client import GenerationClient
+from common.contract.config import SchedulerConfig
 from common.formats.default_model import default_model_path
 from common.generated.nanovllm.generate.v1 import generate_pb2, generate_pb2_grpc
-from tests.services_harness import InProcessScheduler, free_port, start_worker, stop
+from tests.services_harness import LINK, InProcessScheduler, free_port, start_worker, stop
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +33,8 @@ ASK = [generate_pb2.ChatMessage(role="user", content="Describe a person called A
 
 
 @pytest.fixture(scope="module")
-def channel():
+def services():
+    """The worker's port and the scheduler (the worker advances the grammars)."""
     worker_port = free_port()
     worker = start_worker(default_model_path(), worker_port)
     scheduler = None
@@ -37,12 +42,18 @@ def channel():
         scheduler = InProcessScheduler(default_model_path(), worker_port).start()
         with GenerationClient(scheduler.target) as client:
             client.wait_ready(timeout=600)  # the worker loads its model
-        with grpc.insecure_channel(scheduler.target) as channel:
-            yield channel
+        assert scheduler.engine.lanes[0].core.grammars_on_worker
+        yield worker_port, scheduler
     finally:
         if scheduler is not None:
             scheduler.stop()
         stop(worker)
+
+
+@pytest.fixture(scope="module")
+def channel(services):
+    with grpc.insecure_channel(services[1].target) as channel:
+        yield channel
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +146,30 @@ def test_vllm_engine_constraints_and_samples(stub, channel) -> None:
         vllm_generate(channel, prompt, regex="[0-9")
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.details().startswith("sampling_params.regex: ")
+
+
+def test_the_scheduler_masks_give_the_same_greedy_answers(services, stub) -> None:
+    """--grammar-masks scheduler (a second scheduler, which takes the worker over for a while): each step's
+    mask from the scheduler's matcher, a constrained sequence skipping the lookahead. A lone greedy request
+    computes the same batches either way: the same tokens."""
+    requests = [dict(chat=generate_pb2.ChatMessages(messages=ASK), temperature=0, max_tokens=40,
+                     constraint=generate_pb2.Constraint(json_schema=json.dumps(PERSON))),
+                dict(text="My phone number is", temperature=0,
+                     constraint=generate_pb2.Constraint(regex=r"\(\d{3}\) \d{3}-\d{4}"))]
+    expected = [list(generate(stub, **request).token_ids) for request in requests]
+    worker_port, scheduler = services
+    masked = InProcessScheduler(default_model_path(), worker_port, SchedulerConfig(grammar_masks="scheduler"),
+                                link=replace(LINK, takeover=True))
+    try:
+        masked.start()
+        with GenerationClient(masked.target) as client:
+            client.wait_ready(timeout=60)
+        assert not masked.engine.lanes[0].core.grammars_on_worker
+        with grpc.insecure_channel(masked.target) as channel:
+            masked_stub = generate_pb2_grpc.TextGenerationStub(channel)
+            assert [list(generate(masked_stub, **request).token_ids) for request in requests] == expected
+    finally:
+        masked.stop()  # ends its session: the module's scheduler claims the worker back
+    with GenerationClient(scheduler.target) as client:
+        client.wait_ready(timeout=60)
+    assert generate(stub, text="hi", max_tokens=2).token_ids  # served again (recomputed if it was under way)

@@ -63,6 +63,16 @@ class SchedulerConfig:
     # Compiling runs off the engine loop; past the limit the request gets INVALID_ARGUMENT (GetModelInfo says it).
     max_grammar_compile_ms: int = option(2000, "most milliseconds one structured-output constraint (JSON schema, "
                                          "regex, grammar, choice) may take to compile", min=1, max=600_000)
+    # worker: the worker advances each constrained sequence's grammar itself (it is sent the grammar and the
+    # tokenizer once), so a constrained sequence takes part in every step, lookahead kept. scheduler: the
+    # scheduler sends each step's mask, computed from the last token, so a constrained sequence is not
+    # scheduled while its token is pending and decodes every other step under load. A lane whose worker
+    # shards the model (tensor_parallel_size > 1) uses scheduler whatever this says: its ranks would each
+    # have to advance the grammar in lockstep (lanes/worker_lane.py).
+    grammar_masks: str = option("worker", "who computes the token masks of structured output: worker (each "
+                                "constrained sequence runs every step) or scheduler (sent with each step; a "
+                                "constrained sequence skips the step after each of its tokens); scheduler "
+                                "always with tensor parallelism", choices=("worker", "scheduler"))
 
     def within(self, max_num_seqs: int, max_num_batched_tokens: int) -> SchedulerConfig:
         """This config with its step limits lowered to a worker's (0: the worker sets none), so that no

@@ -17,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 from common.contract.constraint import Constraint
+from common.contract.grammar_tokenizer import GrammarTokenizer
 from common.contract.quoting import quote
 from scheduler_service.constraints.grammar import Grammar, Vocabulary, build_vocabulary, compile_grammar, field_of
 from scheduler_service.constraints.state import ConstraintState
@@ -69,6 +70,7 @@ class ConstraintCompiler:
         self._vocabularies: dict[VocabularyKey, Future[Vocabulary]] = {}
         self._cache: OrderedDict[tuple[Constraint, VocabularyKey], Future[CompiledConstraint]] = OrderedDict()
         self._lock = threading.Lock()  # the offline LLM and the event loop may both compile
+        self._tokenizer_json: str | None = None  # the tokenizer's tokenizer.json, read once
         self.num_compiled = 0  # compilations started (cache misses), for tests
 
     @property
@@ -132,14 +134,29 @@ class ConstraintCompiler:
                 future = self._vocabularies[key] = self._pool.submit(self._build_vocabulary, key)
             return future
 
+    def grammar_tokenizer(self, vocab_size: int, eos_token_ids: Iterable[int]) -> GrammarTokenizer | None:
+        """What the grammars of this vocabulary are compiled against, for a worker that advances them
+        itself (it builds the same llguidance tokenizer from it); None when the tokenizer is not a Hugging
+        Face one (then no constraint compiles). Reads the tokenizer's JSON the first time (tens of ms
+        for a large vocabulary: call it off the event loop)."""
+        try:
+            return self._spec((vocab_size, frozenset(eos_token_ids)))
+        except RequestError:
+            return None
+
+    def _spec(self, key: VocabularyKey) -> GrammarTokenizer:
+        with self._lock:
+            if self._tokenizer_json is None:
+                try:
+                    self._tokenizer_json = self.tokenizer.backend.to_str()  # type: ignore[attr-defined]
+                except AttributeError:
+                    raise RequestError("constraint: the grammar library needs a Hugging Face tokenizer") from None
+            return GrammarTokenizer(self._tokenizer_json, self.tokenizer.vocab_size, *key)
+
     def _build_vocabulary(self, key: VocabularyKey) -> Vocabulary:
         # Holds the GIL throughout (about 0.2 s for 49k tokens): once per model, when its first
         # worker connects (prepare) or at the first constraint.
-        try:
-            tokenizer_json = self.tokenizer.backend.to_str()  # type: ignore[attr-defined]
-        except AttributeError:
-            raise RequestError("constraint: the grammar library needs a Hugging Face tokenizer") from None
-        return build_vocabulary(tokenizer_json, self.tokenizer.vocab_size, *key)
+        return build_vocabulary(self._spec(key))
 
     def _compiled(self, constraint: Constraint, key: VocabularyKey) -> Future[CompiledConstraint]:
         """The cached compilation of constraint (done, or under way), else a new one in the pool."""

@@ -13,13 +13,10 @@ import llguidance
 import numpy as np
 
 from common.contract.constraint import Constraint
-from scheduler_service.constraints.token_mask import EncodedMasks, clear_past, num_allowed, num_bitmask_words
+from common.contract.grammar_tokenizer import GrammarTokenizer, fill_bitmask, new_matcher
+from scheduler_service.constraints.token_mask import EncodedMasks, num_allowed
 from scheduler_service.core.errors import RequestError
 
-# llguidance's own bounds on the work one mask may take (lexer fuel ~14k/ms, Earley items ~20k/ms:
-# about 15 ms at worst) and on the grammar's size, at the library's defaults; errors without the
-# parser's state and the grammar's text, which would fill the log with a 64 KB grammar per failure.
-PARSER_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 # Compact JSON: no whitespace anywhere, so that a model cannot spend its tokens on blanks.
 JSON_OPTIONS: llguidance.JsonCompileOptions = {"whitespace_flexible": False}
 MAX_REASON_CHARS = 1000  # the library's reason, as the client sees it (it can quote the grammar)
@@ -27,41 +24,54 @@ MAX_REASON_CHARS = 1000  # the library's reason, as the client sees it (it can q
 
 @dataclass(frozen=True)
 class Vocabulary:
-    """What a grammar is compiled against: the model's tokens as llguidance sees them, padded to the
-    worker's vocab_size (the ids past the tokenizer's are never allowed), and its EOS ids (allowed
-    once the grammar accepts what was generated)."""
+    """What a grammar is compiled against: the model's tokens as llguidance sees them (spec, built into
+    tokenizer), padded to the worker's vocab_size (the ids past the tokenizer's are never allowed), and
+    its EOS ids (allowed once the grammar accepts what was generated). The worker builds the same from
+    spec when it advances grammars itself."""
 
+    spec: GrammarTokenizer
     tokenizer: llguidance.LLTokenizer
-    vocab_size: int  # the worker's: the width of every mask
-    num_text_tokens: int  # the tokenizer's: ids from here to vocab_size are padding
-    eos_token_ids: frozenset[int]
-    # EOS ids past the tokenizer's tokens (a model's config may name one), which llguidance cannot
-    # take: fill_mask allows them itself.
-    padded_eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def vocab_size(self) -> int:
+        """The worker's: the width of every mask."""
+        return self.spec.vocab_size
+
+    @property
+    def num_text_tokens(self) -> int:
+        """The tokenizer's, within vocab_size: ids from here to vocab_size are padding."""
+        return self.spec.first_padding_id
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.spec.eos_token_ids
+
+    @property
+    def padded_eos_token_ids(self) -> tuple[int, ...]:
+        """EOS ids past the tokenizer's tokens, which llguidance cannot take: fill_mask allows them itself."""
+        return self.spec.padded_eos_token_ids
 
 
-def build_vocabulary(tokenizer_json: str, num_text_tokens: int, vocab_size: int,
-                     eos_token_ids: frozenset[int]) -> Vocabulary:
+def build_vocabulary(spec: GrammarTokenizer) -> Vocabulary:
     """The llguidance tokenizer of a Hugging Face tokenizer.json text (about 0.2 s for 49k tokens, so
     built once per model). Raises RequestError when llguidance cannot read the tokenizer."""
-    text_eos = sorted(t for t in eos_token_ids if t < num_text_tokens)
     try:
-        tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=max(vocab_size, num_text_tokens),
-                                           eos_token=text_eos or None)
+        tokenizer = spec.build()
     except (ValueError, RuntimeError) as exc:
         raise RequestError(f"constraint: the grammar library cannot use this model's tokenizer ({exc})") from exc
-    padded = tuple(sorted(t for t in eos_token_ids if num_text_tokens <= t < vocab_size))
-    return Vocabulary(tokenizer, vocab_size, min(num_text_tokens, vocab_size), eos_token_ids, padded)
+    return Vocabulary(spec, tokenizer)
 
 
 @dataclass(frozen=True)
 class Grammar:
     """A constraint compiled for one vocabulary. Its matcher never consumes a token: each sequence
-    under the constraint starts from a copy (constraints/state.py)."""
+    under the constraint starts from a copy (constraints/state.py). text: the grammar the matcher was
+    built from, which a worker that advances grammars itself builds its own matcher from."""
 
     constraint: Constraint
     vocabulary: Vocabulary
     matcher: llguidance.LLMatcher
+    text: str
     masks: EncodedMasks = field(default_factory=EncodedMasks, compare=False)  # shared by its sequences
 
 
@@ -97,26 +107,20 @@ def compile_grammar(constraint: Constraint, vocabulary: Vocabulary) -> Grammar:
         text = grammar_text(constraint)
     except ValueError as exc:
         raise RequestError(f"{field}: {_reason(str(exc))}") from exc
-    matcher = llguidance.LLMatcher(vocabulary.tokenizer, text, log_level=0, limits=PARSER_LIMITS)
+    matcher = new_matcher(vocabulary.tokenizer, text)
     if matcher.is_error():
         raise RequestError(f"{field}: {_reason(matcher.get_error())}")
     check_first_mask(field, first_mask(matcher, vocabulary), vocabulary)
-    return Grammar(constraint, vocabulary, matcher)
+    return Grammar(constraint, vocabulary, matcher, text)
 
 
 def fill_mask(matcher: llguidance.LLMatcher, vocabulary: Vocabulary, bitmask: np.ndarray) -> None:
     """Writes the tokens matcher allows next into bitmask (int32 words; padding ids forbidden)."""
-    matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
-    if matcher.is_error():  # a parser limit: the mask is EOS alone, and consuming it fails the request
-        return
-    clear_past(bitmask, vocabulary.num_text_tokens)
-    if vocabulary.padded_eos_token_ids and matcher.is_accepting():
-        for token_id in vocabulary.padded_eos_token_ids:
-            bitmask[token_id // 32] |= np.int32(np.uint32(1 << token_id % 32).view(np.int32))
+    fill_bitmask(matcher, vocabulary.spec, bitmask)
 
 
 def first_mask(matcher: llguidance.LLMatcher, vocabulary: Vocabulary) -> np.ndarray:
-    bitmask = np.zeros(num_bitmask_words(vocabulary.tokenizer.vocab_size), dtype=np.int32)
+    bitmask = np.zeros(vocabulary.spec.num_bitmask_words, dtype=np.int32)
     fill_mask(matcher, vocabulary, bitmask)
     return bitmask
 

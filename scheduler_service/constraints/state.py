@@ -9,7 +9,6 @@ import numpy as np
 
 from common.generated.nanovllm.worker.v1 import worker_pb2
 from scheduler_service.constraints.grammar import Grammar, fill_mask
-from scheduler_service.constraints.token_mask import num_bitmask_words
 
 if TYPE_CHECKING:
     from scheduler_service.core.sequence import Sequence
@@ -32,6 +31,11 @@ class ConstraintState:
     def error(self) -> str:
         """Why the last token was refused ("" when none was)."""
         return self._matcher.get_error()
+
+    @property
+    def grammar_text(self) -> str:
+        """The grammar its matcher was built from (for a worker that advances the grammar itself)."""
+        return self.grammar.text
 
     @property
     def is_complete(self) -> bool:
@@ -66,7 +70,7 @@ class ConstraintState:
         self._catch_up(seq)  # a refused token leaves the matcher in error: EOS alone, refused in turn
         grammar = self.grammar
         vocabulary = grammar.vocabulary
-        bitmask = np.zeros(num_bitmask_words(vocabulary.tokenizer.vocab_size), dtype=np.int32)
+        bitmask = np.zeros(vocabulary.spec.num_bitmask_words, dtype=np.int32)
         fill_mask(self._matcher, vocabulary, bitmask)
         grammar.masks.write(bitmask, vocabulary.vocab_size, mask)
 

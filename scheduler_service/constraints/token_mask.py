@@ -8,26 +8,9 @@ import numpy as np
 from common.generated.nanovllm.worker.v1 import worker_pb2
 
 
-def num_bitmask_words(vocab_size: int) -> int:
-    """int32 words of llguidance's bitmask for vocab_size tokens."""
-    return (vocab_size + 31) // 32
-
-
 def varint_bytes(value: int) -> int:
     """Bytes of value as a protobuf varint (a packed repeated int32's element)."""
     return max(1, (value.bit_length() + 6) // 7)
-
-
-def clear_past(bitmask: np.ndarray, first_forbidden: int) -> None:
-    """Forbids every token from first_forbidden on (bitmask: int32 words, bit t of word t // 32):
-    the worker's vocabulary may be padded past the tokenizer's, and those ids are never text."""
-    word, bit = divmod(first_forbidden, 32)
-    if word >= bitmask.size:
-        return
-    if bit:
-        bitmask[word] &= np.int32((1 << bit) - 1)  # bits below `bit` stay (bit < 32: a positive int32)
-        word += 1
-    bitmask[word:] = 0
 
 
 def num_allowed(bitmask: np.ndarray) -> int:

@@ -57,11 +57,13 @@ class EngineCore:
 
     # Workers.
 
-    def attach(self, worker: WorkerDescription, num_kv_blocks: int,
-               extra_eos_token_ids: Iterable[int] = ()) -> WorkerDescription:
+    def attach(self, worker: WorkerDescription, num_kv_blocks: int, extra_eos_token_ids: Iterable[int] = (),
+               grammars_on_worker: bool = False) -> WorkerDescription:
         """Serves a worker that claimed num_kv_blocks: a block pool of that size, its EOS ids with
         extra_eos_token_ids (the tokenizer's); the parked sequences are queued first, in order.
-        Returns what this lane serves."""
+        grammars_on_worker: the worker was given the grammar tokenizer (InitCache) and advances constrained
+        sequences' grammars itself, so they are sent their grammar, not a mask per step. Returns what this
+        lane serves."""
         config = self.config.within(worker.max_num_seqs, worker.max_num_batched_tokens)
         max_model_len = min(config.max_model_len or worker.max_model_len, worker.max_model_len)
         # A sequence must fit in the whole pool when it runs alone, or it could never finish.
@@ -75,7 +77,7 @@ class EngineCore:
                                           eos_token_ids=tuple(sorted(self.eos_token_ids)))
         self._block_manager = BlockManager(num_kv_blocks, worker.block_size, config.enable_prefix_caching,
                                            self._block_listener)
-        self._scheduler = Scheduler(config, self._block_manager, self.served.max_model_len)
+        self._scheduler = Scheduler(config, self._block_manager, self.served.max_model_len, grammars_on_worker)
         self._next_step_id = 1  # a claim starts the worker's step ids over
         for seq in self._parked:
             self._scheduler.add(seq)
@@ -106,6 +108,11 @@ class EngineCore:
     @property
     def is_attached(self) -> bool:
         return self._scheduler is not None
+
+    @property
+    def grammars_on_worker(self) -> bool:
+        """Whether the attached worker advances constrained sequences' grammars itself."""
+        return self._scheduler is not None and self._scheduler.grammars_on_worker
 
     # Requests.
 

@@ -27,8 +27,11 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     # Decode iterations the worker runs in this step (> 1 only for a step of decodes alone).
     num_decode_steps: int = 1
-    # Whether any sequence of the scheduler is constrained: only then do its rows need token masks.
+    # Whether any sequence of the scheduler is constrained: only then do its rows need token masks
+    # (or, with grammars_on_worker, its new sequences their grammar).
     has_constraints: bool = False
+    # Whether the worker advances the grammars itself (NewSequence.grammar) rather than taking a mask per step.
+    grammars_on_worker: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -36,10 +39,14 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 grammars_on_worker: bool = False) -> None:
+        """grammars_on_worker: the worker advances constrained sequences' grammars itself (their masks need
+        not wait for the scheduler to know their last token)."""
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
+        self.grammars_on_worker = grammars_on_worker
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # Sequences the worker holds but must forget at the next step.
@@ -80,7 +87,8 @@ class Scheduler:
             self.num_constrained += 1
 
     def schedule(self) -> SchedulerOutput:
-        output = SchedulerOutput(num_decode_steps=self._num_decode_steps(), has_constraints=self.num_constrained > 0)
+        output = SchedulerOutput(num_decode_steps=self._num_decode_steps(), has_constraints=self.num_constrained > 0,
+                                 grammars_on_worker=self.grammars_on_worker)
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(output, budget)
         if not output.preempted and output.num_decode_steps == 1:
@@ -108,7 +116,7 @@ class Scheduler:
         tokens on the host between iterations (penalties); never past max_model_len."""
         rows = len(self.running)
         if not rows or (self.waiting and rows < self.config.max_num_seqs) or self.num_constrained:
-            return 1  # a constrained sequence's next mask needs its last token: one at a time
+            return 1  # a constrained sequence's next mask needs its last token (on either side): one at a time
         if rows * self.config.num_decode_steps > self.config.max_num_batched_tokens:
             return 1
         steps = min(self._decode_steps_in_time(), self.config.max_num_batched_tokens // rows)
@@ -189,7 +197,8 @@ class Scheduler:
         """Tokens seq can compute now; 0 when a step in flight will finish it anyway."""
         num_tokens = seq.num_scheduled_tokens_total
         if seq.num_pending_tokens and (
-            seq.constraint_state is not None  # its next mask depends on the pending token
+            # Its next mask depends on the pending token, unless the worker computes it (knowing the token).
+            (seq.constraint_state is not None and not self.grammars_on_worker)
             or num_tokens >= self.max_model_len
             or num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens  # outputs, pending included
         ):

@@ -26,6 +26,10 @@ class TokenConstraint(Protocol):
         """Sets mask to the tokens seq may sample next."""
 
     @property
+    def grammar_text(self) -> str:
+        """The grammar its matcher was built from, for a worker that advances it itself."""
+
+    @property
     def error(self) -> str:
         """Why the last token was refused."""
 

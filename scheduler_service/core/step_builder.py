@@ -46,14 +46,15 @@ def build_step_request(step_id: int, output: SchedulerOutput,
     request = worker_pb2.StepRequest(step_id=step_id, released_seq_ids=output.released_seq_ids,
                                      num_decode_steps=output.num_decode_steps)
     add_running = request.running_sequences.add
+    with_grammars = output.has_constraints and output.grammars_on_worker
     for item in output.scheduled:
         if item.is_new_on_worker:
-            request.new_sequences.append(_new_sequence(item, eos_token_ids))
+            request.new_sequences.append(_new_sequence(item, eos_token_ids, with_grammars))
         elif item.new_block_ids or item.token_ids:
             add_running(seq_id=item.seq.seq_id, new_block_ids=item.new_block_ids, token_ids=item.token_ids)
         else:
             add_running(seq_id=item.seq.seq_id)  # a decode in its blocks: the common case, built 3x faster
-    if output.has_constraints:  # a pass of its own: free text pays nothing per row
+    if output.has_constraints and not output.grammars_on_worker:  # a pass of its own: free text pays nothing per row
         _add_token_masks(request, output.scheduled)
     return request
 
@@ -71,7 +72,9 @@ def _add_token_masks(request: worker_pb2.StepRequest, scheduled: list[ScheduledS
             seq.constraint_state.write_mask(seq, message.token_mask)  # type: ignore[union-attr]
 
 
-def _new_sequence(item: ScheduledSequence, eos_token_ids: frozenset[int]) -> worker_pb2.NewSequence:
+def _new_sequence(item: ScheduledSequence, eos_token_ids: frozenset[int], with_grammar: bool) -> worker_pb2.NewSequence:
+    """with_grammar: a constrained sequence comes with its grammar and every output token it holds (its
+    matcher has consumed exactly those), from which the worker's own matcher starts."""
     seq = item.seq
     params = seq.sampling_params
     message = worker_pb2.NewSequence(
@@ -88,4 +91,7 @@ def _new_sequence(item: ScheduledSequence, eos_token_ids: frozenset[int]) -> wor
     if params.min_tokens:
         banned = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids)
         message.sampling.min_tokens_banned_ids.extend(sorted(banned))
+    if with_grammar and seq.constraint_state is not None:
+        message.grammar.grammar = seq.constraint_state.grammar_text
+        message.grammar.output_token_ids.extend(seq.output_token_ids)
     return message

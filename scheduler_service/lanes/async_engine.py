@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.contract.config import SchedulerConfig
+from common.contract.grammar_tokenizer import GrammarTokenizer
 from common.contract.sampling_params import SamplingParams
 from common.contract.worker_description import WorkerDescription
 from scheduler_service.constraints import ConstraintCompiler
@@ -314,6 +315,14 @@ class AsyncEngine:
         for request in list(self._requests.values()):
             if request.lane is lane and (wanted is None or request.seq.seq_id in wanted):
                 request.outputs.put(error)
+
+    async def grammar_tokenizer(self, vocab_size: int, eos_token_ids: frozenset[int]) -> GrammarTokenizer | None:
+        """The one the lane's constraints compile against (so that its worker builds the same), read off
+        the event loop; None without a tokenizer the grammar library can use."""
+        if not self.has_constraints:
+            return None
+        return await asyncio.to_thread(self.constraints.grammar_tokenizer, vocab_size,  # type: ignore[union-attr]
+                                       eos_token_ids)
 
     def lane_ready(self) -> None:
         self._ready.set()

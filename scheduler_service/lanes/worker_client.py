@@ -31,8 +31,10 @@ class WorkerClient(Protocol):
 
     async def describe(self) -> worker_pb2.DescribeResponse: ...
 
-    async def init_cache(self, num_kv_blocks: int) -> worker_pb2.InitCacheResponse:
-        """Claims the worker for this client's session and allocates its KV cache."""
+    async def init_cache(self, num_kv_blocks: int,
+                         grammar_tokenizer: worker_pb2.GrammarTokenizer | None = None) -> worker_pb2.InitCacheResponse:
+        """Claims the worker for this client's session and allocates its KV cache; with grammar_tokenizer
+        the worker will advance the grammars of constrained sequences (called with it only then)."""
 
     async def step(self, request: worker_pb2.StepRequest, timeout_s: float | None = None) -> worker_pb2.StepResponse:
         """Runs one step; raises (grpc.aio.AioRpcError DEADLINE_EXCEEDED) after timeout_s."""
@@ -74,10 +76,11 @@ class GrpcWorkerClient:
         return await self._stub.Describe(worker_pb2.DescribeRequest(), timeout=self.describe_timeout_s,
                                          metadata=self._metadata, wait_for_ready=False)
 
-    async def init_cache(self, num_kv_blocks: int) -> worker_pb2.InitCacheResponse:
+    async def init_cache(self, num_kv_blocks: int,
+                         grammar_tokenizer: worker_pb2.GrammarTokenizer | None = None) -> worker_pb2.InitCacheResponse:
         request = worker_pb2.InitCacheRequest(num_kv_blocks=num_kv_blocks, session_id=self.session_id,
-                                              takeover=self._may_take_over)
-        # Allocating a large cache can take a while on a busy GPU.
+                                              takeover=self._may_take_over, grammar_tokenizer=grammar_tokenizer)
+        # Allocating a large cache (and building the grammar tokenizer) can take a while on a busy GPU.
         reply = await self._stub.InitCache(request, timeout=300, metadata=self._metadata)
         self._may_take_over = False
         self._claimed = True

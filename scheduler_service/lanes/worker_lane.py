@@ -22,6 +22,7 @@ from typing import Protocol
 import grpc
 
 from common.contract.config import SchedulerConfig
+from common.contract.grammar_tokenizer import GrammarTokenizer
 from common.contract.sampling_params import SamplingParams
 from common.contract.worker_description import WorkerDescription
 from common.generated.nanovllm.worker.v1 import worker_pb2
@@ -53,6 +54,10 @@ class LaneOwner(Protocol):
 
     def lane_ready(self) -> None:
         """A lane's worker (re)connected."""
+
+    async def grammar_tokenizer(self, vocab_size: int, eos_token_ids: frozenset[int]) -> GrammarTokenizer | None:
+        """What constraints for this vocabulary compile against, for a worker that advances grammars
+        itself; None when requests can carry no constraint."""
 
 
 class LaneObserver(Protocol):
@@ -164,23 +169,42 @@ class WorkerLane:
                        fault.value, _describe(error))
         return True
 
-    async def _claim(self) -> tuple[WorkerDescription, int]:
-        """Describes the worker and claims it; returns what it serves and the KV blocks it allocated."""
+    async def _claim(self) -> tuple[WorkerDescription, int, bool]:
+        """Describes the worker and claims it; returns what it serves, the KV blocks it allocated and
+        whether it advances grammars itself (it was sent the grammar tokenizer)."""
         describe = WorkerDescription.from_proto(await self.worker.describe())
-        reply = await self.worker.init_cache(describe.num_kv_blocks)
-        return describe, reply.num_kv_blocks
+        grammar_tokenizer = await self._grammar_tokenizer(describe)
+        if grammar_tokenizer is None:
+            reply = await self.worker.init_cache(describe.num_kv_blocks)
+        else:
+            reply = await self.worker.init_cache(describe.num_kv_blocks, grammar_tokenizer.to_proto())
+        return describe, reply.num_kv_blocks, grammar_tokenizer is not None
+
+    async def _grammar_tokenizer(self, describe: WorkerDescription) -> GrammarTokenizer | None:
+        """The grammar tokenizer for a worker that is to advance grammars itself (--grammar-masks worker),
+        None for one that takes a mask per step. Only a worker that runs alone (tensor_parallel_size 1)
+        does: under tensor parallelism every rank samples in lockstep and would have to advance its own
+        matcher with the same tokens, which the ranks do not do; such a lane, and one whose worker reports
+        no size, uses the scheduler's masks."""
+        if self.config.grammar_masks != "worker" or describe.tensor_parallel_size != 1:
+            return None
+        # The lane's EOS ids as the core will hold them (attach): constraints compile against those.
+        eos_token_ids = frozenset(describe.eos_token_ids) | frozenset(self.extra_eos_token_ids)
+        return await self.owner.grammar_tokenizer(describe.vocab_size, eos_token_ids)
 
     async def _connect(self) -> None:
-        describe, num_kv_blocks = await until_answered(self.worker.address, self.worker.uses_tls, self._claim)
+        describe, num_kv_blocks, grammars_on_worker = await until_answered(self.worker.address, self.worker.uses_tls,
+                                                                           self._claim)
         self._cancel_loss_timer()
-        served = self.core.attach(describe, num_kv_blocks, self.extra_eos_token_ids)
+        served = self.core.attach(describe, num_kv_blocks, self.extra_eos_token_ids, grammars_on_worker)
         if self._was_lost and self.observer is not None:
             self.observer.count_recovery()
         self._was_lost = False
         self.owner.lane_ready()
-        logger.info("worker %s ready: %s on %s x%d, %d KV blocks of %d tokens, max_model_len %d", self.worker.address,
+        logger.info("worker %s ready: %s on %s x%d, %d KV blocks of %d tokens, max_model_len %d%s", self.worker.address,
                     served.model_name, served.device, served.tensor_parallel_size, served.num_kv_blocks,
-                    served.block_size, served.max_model_len)
+                    served.block_size, served.max_model_len, ", grammars advanced by the worker" if grammars_on_worker
+                    else "")
 
     def _on_worker_lost(self) -> None:
         if self.core.is_attached:

@@ -1,10 +1,14 @@
 """Shared by the structured-output tests: the tiny byte-level BPE tokenizer (a real one llguidance
-reads), a compiler for it, and a fake worker's sampling that obeys a step's token masks."""
+reads), a compiler for it, and a fake worker's sampling that obeys a step's token masks, or that
+advances each sequence's grammar itself (--grammar-masks worker)."""
 from __future__ import annotations
 
 import random
 from pathlib import Path
 
+import numpy as np
+
+from common.contract.grammar_tokenizer import GrammarTokenizer, fill_bitmask, new_matcher
 from common.contract.worker_description import WorkerDescription
 from common.generated.nanovllm.worker.v1 import worker_pb2
 from scheduler_service.api.tokenizer import Tokenizer, load_tokenizer
@@ -44,3 +48,46 @@ def masked_reply(step: InFlightStep, rng: random.Random, pick=None) -> worker_pb
         token_id = pick(allowed) if pick is not None else rng.choice(allowed)
         response.tokens.add(seq_id=message.seq_id, token_id=token_id)
     return response
+
+
+class GrammarSampler:
+    """A fake worker's sampling for sequences whose grammar it advances: a matcher per sequence from its
+    NewSequence.grammar (past its output tokens), a random allowed token each step, consumed at once, as
+    the worker does; token 5 for free text. Replies must be made in step order."""
+
+    def __init__(self, spec: GrammarTokenizer, rng: random.Random) -> None:
+        self.spec = spec
+        self.tokenizer = spec.build()
+        self.rng = rng
+        self.seq_id_to_matcher: dict[int, object] = {}
+        self.num_grammars = 0  # NewSequence messages that carried one
+
+    def reply(self, step_id: int, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
+        for seq_id in request.released_seq_ids:
+            self.seq_id_to_matcher.pop(seq_id, None)
+        for new in request.new_sequences:
+            if new.HasField("grammar"):
+                self.num_grammars += 1
+                matcher = new_matcher(self.tokenizer, new.grammar.grammar)
+                assert matcher.consume_tokens(list(new.grammar.output_token_ids))
+                self.seq_id_to_matcher[new.seq_id] = matcher
+        response = worker_pb2.StepResponse(step_id=step_id)
+        for message in (*request.new_sequences, *request.running_sequences):
+            assert not message.HasField("token_mask")
+            matcher = self.seq_id_to_matcher.get(message.seq_id)
+            if matcher is None:
+                for _ in range(max(request.num_decode_steps, 1)):
+                    response.tokens.add(seq_id=message.seq_id, token_id=5)
+            else:
+                assert request.num_decode_steps <= 1
+                response.tokens.add(seq_id=message.seq_id, token_id=self._sample(matcher))
+        return response
+
+    def _sample(self, matcher) -> int:
+        bitmask = np.zeros(self.spec.num_bitmask_words, dtype=np.int32)
+        fill_bitmask(matcher, self.spec, bitmask)
+        bits = np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:self.spec.vocab_size]
+        token_id = int(self.rng.choice(np.flatnonzero(bits).tolist()))
+        if token_id not in self.spec.padded_eos_token_ids:
+            assert matcher.consume_token(token_id)
+        return token_id

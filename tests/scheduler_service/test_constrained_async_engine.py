@@ -1,7 +1,9 @@
 """Constraints through the AsyncEngine and the public request conversion, against a scripted worker
 that samples from each step's token mask (no torch): compiled before queuing, refused with
 INVALID_ARGUMENT's RequestError when malformed or without a tokenizer, and a worker that ignores the
-mask failing that request alone."""
+mask failing that request alone. A worker that runs alone (tensor_parallel_size 1) is sent the grammar
+tokenizer and advances the grammars itself, unless --grammar-masks scheduler; one of several ranks
+takes masks."""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +16,7 @@ import pytest
 
 from common.contract.config import SchedulerConfig
 from common.contract.constraint import MAX_CONSTRAINT_BYTES, Constraint
+from common.contract.grammar_tokenizer import GrammarTokenizer
 from common.contract.sampling_params import SamplingParams
 from common.contract.worker_description import WorkerDescription
 from common.generated.nanovllm.generate.v1 import generate_pb2
@@ -25,7 +28,7 @@ from scheduler_service.constraints import allowed_token_ids
 from scheduler_service.core.errors import RequestError, WorkerStepError
 from scheduler_service.core.sequence import FinishReason
 from scheduler_service.lanes.async_engine import AsyncEngine
-from tests.scheduler_service.constraint_helpers import VOCAB_SIZE, tiny_tokenizer
+from tests.scheduler_service.constraint_helpers import VOCAB_SIZE, GrammarSampler, tiny_tokenizer
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "tags"],
           "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
@@ -79,6 +82,35 @@ class MaskedWorker:
 
     async def close(self) -> None:
         pass
+
+
+class GrammarWorker(MaskedWorker):
+    """A worker of tensor_parallel_size ranks: advances the grammars itself when InitCache sends the grammar
+    tokenizer (GrammarSampler), else samples from the masks."""
+
+    def __init__(self, eos_token_id: int, tensor_parallel_size: int = 1) -> None:
+        super().__init__(eos_token_id)
+        self.tensor_parallel_size = tensor_parallel_size
+        self.grammar_tokenizer: worker_pb2.GrammarTokenizer | None = None
+        self.sampler: GrammarSampler | None = None
+
+    async def describe(self) -> worker_pb2.DescribeResponse:
+        response = await super().describe()
+        response.tensor_parallel_size = self.tensor_parallel_size
+        return response
+
+    async def init_cache(self, num_kv_blocks: int,
+                         grammar_tokenizer: worker_pb2.GrammarTokenizer | None = None) -> worker_pb2.InitCacheResponse:
+        self.grammar_tokenizer = grammar_tokenizer
+        if grammar_tokenizer is not None:
+            self.sampler = GrammarSampler(GrammarTokenizer.from_proto(grammar_tokenizer), random.Random(0))
+        return await super().init_cache(num_kv_blocks)
+
+    async def step(self, request: worker_pb2.StepRequest, timeout_s: float | None = None) -> worker_pb2.StepResponse:
+        if self.sampler is None:
+            return await super().step(request, timeout_s)
+        await asyncio.sleep(0)
+        return self.sampler.reply(request.step_id, request)
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +185,39 @@ def test_a_worker_that_ignores_the_mask_fails_that_request_alone(tokenizer) -> N
     failed, free = run(scenario())
     assert isinstance(failed, WorkerStepError) and "constraint forbids" in str(failed)
     assert free[1] is FinishReason.LENGTH
+
+
+@pytest.mark.parametrize(("grammar_masks", "tensor_parallel_size", "on_worker"), [
+    ("worker", 1, True), ("scheduler", 1, False), ("worker", 2, False)])
+def test_who_advances_the_grammars(tokenizer, grammar_masks: str, tensor_parallel_size: int, on_worker: bool) -> None:
+    """A worker that runs alone gets the tokenizer the lane's constraints compile against (its JSON, the
+    lane's EOS ids, the worker's vocabulary) and each constrained sequence's grammar; with --grammar-masks
+    scheduler, or several ranks, the worker gets masks. The outputs match their constraints either way."""
+    worker = GrammarWorker(tokenizer.eos_token_id, tensor_parallel_size)
+
+    async def scenario() -> list:
+        engine = await started(worker, tokenizer, grammar_masks=grammar_masks)
+        try:
+            return await asyncio.gather(
+                collect(engine, SamplingParams(max_tokens=100, constraint=Constraint("json_schema",
+                                                                                     json.dumps(SCHEMA)))),
+                collect(engine, SamplingParams(max_tokens=100, constraint=Constraint("regex", "(ab|cd){3}"))),
+                collect(engine, SamplingParams(max_tokens=20, ignore_eos=True)))
+        finally:
+            await engine.shutdown(0)
+
+    (schema_text, schema_reason), (regex_text, regex_reason), (_, free_reason) = run(scenario())
+    jsonschema.validate(json.loads(schema_text), SCHEMA)
+    assert re.fullmatch("(ab|cd){3}", regex_text)
+    assert (schema_reason, regex_reason, free_reason) == (FinishReason.STOP, FinishReason.STOP, FinishReason.LENGTH)
+    if not on_worker:
+        assert worker.grammar_tokenizer is None and worker.num_masks > 0
+        return
+    sent = worker.grammar_tokenizer
+    assert sent is not None and sent.tokenizer_json == tokenizer.backend.to_str()
+    assert (sent.vocab_size, sent.num_text_tokens, list(sent.eos_token_ids)) == (
+        VOCAB_SIZE, tokenizer.vocab_size, [tokenizer.eos_token_id])
+    assert worker.sampler.num_grammars == 2 and worker.num_masks == 0
 
 
 # The public API's side.

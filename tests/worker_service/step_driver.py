@@ -27,9 +27,12 @@ def worker_config(model: Path, device: str, **options) -> WorkerConfig:
 
 
 class StepDriver:
-    def __init__(self, core, blocks_per_sequence: int = 6) -> None:
+    def __init__(self, core, blocks_per_sequence: int = 6,
+                 grammar_tokenizer: worker_pb2.GrammarTokenizer | None = None) -> None:
+        """grammar_tokenizer: sent with InitCache, so that new sequences may come with a grammar."""
         self.core = core
-        core.init_cache(worker_pb2.InitCacheRequest(num_kv_blocks=NUM_BLOCKS, session_id="test"))
+        core.init_cache(worker_pb2.InitCacheRequest(num_kv_blocks=NUM_BLOCKS, session_id="test",
+                                                    grammar_tokenizer=grammar_tokenizer))
         self.step_id = 0
         self.blocks_per_sequence = blocks_per_sequence
         self.next_block = 0
@@ -52,11 +55,16 @@ class StepDriver:
 
     def step(self, new: Sequence[worker_pb2.NewSequence] = (), running: Sequence[worker_pb2.RunningSequence] = (),
              num_decode_steps: int = 0, released: Sequence[int] = ()) -> worker_pb2.StepResponse:
+        return self.launch(new, running, num_decode_steps, released).result()
+
+    def launch(self, new: Sequence[worker_pb2.NewSequence] = (), running: Sequence[worker_pb2.RunningSequence] = (),
+               num_decode_steps: int = 0, released: Sequence[int] = ()):
+        """Launches the next step without reading it back (its PendingStep): a scheduler's lookahead."""
         self.step_id += 1
         request = worker_pb2.StepRequest(step_id=self.step_id, session_id="test", new_sequences=new,
                                          running_sequences=running, num_decode_steps=num_decode_steps,
                                          released_seq_ids=released)
-        return self.core.launch(request).result()
+        return self.core.launch(request)
 
 
 def running(seq_id: int, token_ids: Sequence[int] = (), mask: worker_pb2.TokenMask | None = None

@@ -24,8 +24,8 @@ class ScheduledChunk:
     # For a decode chunk whose token an earlier step sampled and has not read back yet; token_ids
     # then holds a placeholder that the device fills in.
     token_source: PendingToken | None = None
-    # The packed allowed tokens of this step's sample (token_masks.decode_token_mask); only on a
-    # chunk that samples.
+    # The packed allowed tokens of this step's sample (token_masks.decode_token_mask, or for a sequence
+    # under a grammar its matcher's, set once the forward pass is queued); only on a chunk that samples.
     token_mask: np.ndarray | None = None
 
     @property

@@ -3,6 +3,7 @@ decode step, and samples (under tensor parallelism from each rank's slice of the
 prompt tokens for the sequences that ask (prompt_logprobs)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -19,7 +20,7 @@ from worker_service.parallel.distributed import (
     tp_rank,
     tp_size,
 )
-from worker_service.runtime.batch import ModelInput, build_model_input, sampling_rows
+from worker_service.runtime.batch import ModelInput, ScheduledChunk, build_model_input, sampling_rows
 from worker_service.runtime.cuda_graphs import DecodeGraphs, PrefillGraphs
 from worker_service.runtime.decode_plan import DecodePlan
 from worker_service.runtime.kv_cache import KVCacheSpec, attach_kv_cache, num_fitting_blocks, warmup_steps
@@ -130,10 +131,13 @@ class ModelRunner:
     # Steps.
 
     @torch.inference_mode()
-    def run(self, model_input: ModelInput, num_decode_steps: int = 1) -> StepOutput:
+    def run(self, model_input: ModelInput, num_decode_steps: int = 1,
+            before_sampling: Callable[[list[ScheduledChunk]], None] | None = None) -> StepOutput:
         """Runs the batch, scores prompt tokens where asked and samples; samples are [num_seqs,
         num_decode_steps]. With num_decode_steps > 1 the batch must be decode-only: each iteration
-        feeds the tokens the previous one sampled, without the host in between."""
+        feeds the tokens the previous one sampled, without the host in between. before_sampling(the
+        sampling chunks) runs once the forward pass is queued, before their sampling rows are laid out:
+        host work that may wait (the masks of rows under a grammar) overlaps the GPU's."""
         plan = (DecodePlan.build(model_input, num_decode_steps, self.config.block_size, self.device)
                 if num_decode_steps > 1 else None)
         gather = self.vocab_slice is None  # under tensor parallelism each rank keeps its slice (_sample)
@@ -146,6 +150,8 @@ class ModelRunner:
             return StepOutput(None, prompt)
         logits = self.model.compute_logits(hidden[model_input.logits_indices], gather)
         # Host work after the forward pass is launched, so that it overlaps the GPU's.
+        if before_sampling is not None:
+            before_sampling(model_input.sampled_chunks)
         rows = sampling_rows(model_input.sampled_chunks)
         batch = SamplingBatch.build(rows, self.vocab_size, self.device)
         outputs = [self._sample(logits, batch)]

@@ -11,6 +11,7 @@ import torch
 from common.contract.lookahead import num_sampled_tokens
 from common.contract.sampling_params import SamplingParams
 from common.generated.nanovllm.worker.v1 import worker_pb2
+from worker_service.sampling.grammar_matchers import SequenceGrammar, WorkerGrammars
 from worker_service.sampling.logit_edits import TokenBias
 
 
@@ -50,10 +51,15 @@ class WorkerSequence:
     # With prompt logprobs, between two chunks of the prompt: the logits ([1, vocab_size], on the
     # device) of the last position computed, which score the first token of the next chunk.
     prompt_logits_tail: torch.Tensor | None = None
+    # Structured output advanced by the worker (NewSequence.grammar): the matcher that has consumed every
+    # output token of the sequence known here, whose mask each sample takes (None: no grammar here).
+    grammar: SequenceGrammar | None = None
 
     @classmethod
-    def from_message(cls, message: worker_pb2.NewSequence, vocab_size: int) -> WorkerSequence:
-        """The state of a sequence new to this worker; ValueError for token ids outside the vocabulary."""
+    def from_message(cls, message: worker_pb2.NewSequence, vocab_size: int,
+                     grammars: WorkerGrammars | None = None) -> WorkerSequence:
+        """The state of a sequence new to this worker; ValueError for token ids outside the vocabulary, or
+        a grammar the session cannot take (no grammar tokenizer, a token mask as well, refused)."""
         sampling = SamplingParams.from_proto(message.sampling)
         try:
             logit_bias = TokenBias.of(sampling.logit_bias, vocab_size)
@@ -72,7 +78,7 @@ class WorkerSequence:
         return cls(seq_id=message.seq_id, block_table=list(message.block_table),
                    num_computed_tokens=message.num_computed_tokens, num_tokens=message.num_tokens,
                    num_prompt_tokens=message.num_prompt_tokens, sampling=sampling, token_ids=history,
-                   logit_bias=logit_bias, min_tokens_banned_ids=banned)
+                   logit_bias=logit_bias, min_tokens_banned_ids=banned, grammar=_grammar_of(message, grammars))
 
     def add_blocks(self, block_ids: Iterable[int]) -> None:
         self.block_table.extend(block_ids)
@@ -109,3 +115,20 @@ class WorkerSequence:
             self.last_token = token_ids[-1]
         if self.token_ids is not None:
             self.token_ids.extend(token_ids)
+        if self.grammar is not None:  # the one place a sampled token reaches the matcher: once each, in order
+            self.grammar.consume(token_ids)
+
+
+def _grammar_of(message: worker_pb2.NewSequence, grammars: WorkerGrammars | None) -> SequenceGrammar | None:
+    """The matcher of a new sequence's grammar (None without one), past its output tokens."""
+    if not message.HasField("grammar"):
+        return None
+    if grammars is None:
+        raise ValueError(f"sequence {message.seq_id}: grammar: this session has no grammar tokenizer (its InitCache "
+                         "sent none, or one the grammar library cannot read)")
+    if message.HasField("token_mask"):
+        raise ValueError(f"sequence {message.seq_id}: grammar: not allowed with a token_mask")
+    try:
+        return grammars.start(message.seq_id, message.grammar)
+    except ValueError as error:
+        raise ValueError(f"sequence {message.seq_id}: {error}") from None

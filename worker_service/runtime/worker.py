@@ -3,11 +3,15 @@ The gRPC servicer and the in-process offline engine both call this.
 
 A step is launched (host bookkeeping, inputs copied, GPU work queued) and read back later, so that
 the next step can be launched while this one runs on the GPU: a decode token sampled by a step not
-yet read back is taken from that step's device output.
+yet read back is taken from that step's device output. A sequence under a grammar the worker advances
+(NewSequence.grammar) is the exception: its mask needs its last token on the host, so once the step's
+forward pass is queued the launch waits for the previous step's tokens (only then, and only when
+such a row samples), while the GPU computes.
 """
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 
 import torch
@@ -20,8 +24,11 @@ from worker_service.runtime.batch import ScheduledChunk, build_model_input
 from worker_service.runtime.model_runner import ModelRunner, StepOutput
 from worker_service.runtime.prompt_logprobs import record_prompt_logprobs
 from worker_service.runtime.sequence_state import PendingToken, WorkerSequence
+from worker_service.sampling.grammar_matchers import WorkerGrammars
 from worker_service.sampling.sampler import SamplerOutput
 from worker_service.sampling.token_masks import decode_token_mask
+
+logger = logging.getLogger(__name__)
 
 
 class StepOrderError(ValueError):
@@ -49,6 +56,11 @@ class PendingStep:
             self._event = torch.cuda.Event()
             self._event.record()
         self._response: worker_pb2.StepResponse | None = None
+
+    @property
+    def is_read_back(self) -> bool:
+        """Whether its tokens are recorded (result() ran, or a later launch needed them)."""
+        return self._response is not None
 
     def result(self) -> worker_pb2.StepResponse:
         """Waits for the step's tokens and records them; steps resolve in launch order."""
@@ -111,9 +123,15 @@ class WorkerCore:
         self.runner = ModelRunner(config)
         self.runner.available_kv_blocks()  # profiles GPU memory now, so that Describe answers at once
         self.seq_id_to_state: dict[int, WorkerSequence] = {}
-        self.lock = threading.Lock()  # launch and read-back may run on different threads
+        # Launch and read-back may run on different threads: the lock guards the sequences' state while a
+        # step is laid out and while a read-back records its tokens, never across the model's work.
+        self.lock = threading.Lock()
         self.next_step_id = 1
         self._last_launched: PendingStep | None = None
+        # The session's grammars (its InitCache sent a grammar tokenizer), and the last ones built: a new
+        # session with the same tokenizer (a scheduler restarted) keeps them.
+        self.grammars: WorkerGrammars | None = None
+        self._built_grammars: WorkerGrammars | None = None
 
     def describe(self) -> worker_pb2.DescribeResponse:
         runner, config = self.runner, self.config
@@ -130,14 +148,35 @@ class WorkerCore:
         available = self.runner.num_kv_blocks or self.runner.available_kv_blocks()
         if not 1 <= request.num_kv_blocks <= available:
             raise ValueError(f"num_kv_blocks: must be in [1, {available}], got {request.num_kv_blocks}")
+        vocab_size = request.grammar_tokenizer.vocab_size
+        if request.HasField("grammar_tokenizer") and vocab_size != self.runner.vocab_size:
+            raise ValueError(f"grammar_tokenizer.vocab_size: must be this worker's {self.runner.vocab_size}, "
+                             f"got {vocab_size}")
         if self._last_launched is not None:
             self._last_launched.result()
         self.seq_id_to_state.clear()
         self.next_step_id = 1
         self._last_launched = None
+        self.grammars = self._grammars_of(request)
         num_blocks = self.runner.init_cache(request.num_kv_blocks)
         freeze_startup_objects()  # graphs are captured: start-up is over
         return worker_pb2.InitCacheResponse(num_kv_blocks=num_blocks)
+
+    def _grammars_of(self, request: worker_pb2.InitCacheRequest) -> WorkerGrammars | None:
+        """The grammars of the session InitCache claims (None: it sends none). A tokenizer the grammar
+        library cannot read leaves the session without: the scheduler's library, given the same, refuses
+        it too, and sends no grammar."""
+        if not request.HasField("grammar_tokenizer"):
+            return None
+        built = self._built_grammars
+        if built is not None and built.spec.to_proto() == request.grammar_tokenizer:
+            return built
+        try:
+            self._built_grammars = WorkerGrammars.of(request.grammar_tokenizer)
+        except ValueError as error:
+            logger.warning("the session's grammars cannot be advanced here: %s", error)
+            return None
+        return self._built_grammars
 
     def close(self) -> None:
         """Frees the CUDA graphs and the KV cache. Before a tensor-parallel group is torn down this
@@ -157,23 +196,28 @@ class WorkerCore:
     @torch.inference_mode()
     def launch(self, request: worker_pb2.StepRequest) -> PendingStep:
         """Queues one step's work; its tokens are read back by PendingStep.result()."""
+        if self.grammars is not None:
+            self._compile_grammars(request)
         with self.lock:
             if request.step_id != self.next_step_id:
                 # Names only the caller's own id: the next one is the session's business.
                 raise StepOrderError(f"step_id: {request.step_id} "
                                      + ("was already used" if request.step_id < self.next_step_id else "skips a step"))
             self.next_step_id = request.step_id + 1
-            chunks = apply_step(request, self.seq_id_to_state, self.runner.vocab_size)
+            chunks = apply_step(request, self.seq_id_to_state, self.runner.vocab_size, self.grammars)
         self._resolve_history_sources(chunks)
         num_decode_steps = max(request.num_decode_steps, 1)
         output = None
-        with self.lock:
-            if chunks:
+        if chunks:
+            with self.lock:
                 model_input = build_model_input(chunks, self.config.block_size, self.runner.device)
-                output = self.runner.run(model_input, num_decode_steps)
-                if output.prompt is not None:
-                    for state, tail in output.prompt.tails:
-                        state.keep_prompt_logits(tail)
+            # Not under the lock: a grammar's row waits there for an earlier step's read-back, which takes it.
+            before_sampling = self._fill_grammar_masks if self.grammars is not None else None
+            output = self.runner.run(model_input, num_decode_steps, before_sampling)
+        with self.lock:
+            if output is not None and output.prompt is not None:
+                for state, tail in output.prompt.tails:
+                    state.keep_prompt_logits(tail)
             pending = PendingStep(self.lock, request.step_id, chunks, output, self._last_launched)
             row = 0
             for chunk in chunks:
@@ -182,6 +226,31 @@ class WorkerCore:
                 row += chunk.samples
         self._last_launched = pending
         return pending
+
+    def _compile_grammars(self, request: worker_pb2.StepRequest) -> None:
+        """Compiles the grammars of the step's new sequences before the lock is taken (milliseconds each
+        for a JSON schema the first time): read-backs of earlier steps need not wait for them. A refused
+        grammar is left for apply_step to report."""
+        for new in request.new_sequences:
+            if new.HasField("grammar"):
+                try:
+                    self.grammars.compile(new.grammar.grammar)  # type: ignore[union-attr]
+                except ValueError:
+                    pass
+
+    def _fill_grammar_masks(self, chunks: list[ScheduledChunk]) -> None:
+        """Sets the token mask of each sampling chunk under a grammar, once its matcher has consumed every
+        earlier token: a decode's token from a step not read back yet is read back first (that records
+        it). Called by the runner once the step's forward pass is queued, so that this overlaps it."""
+        rows = [chunk for chunk in chunks if chunk.state.grammar is not None]
+        if not rows:
+            return
+        for chunk in rows:
+            if chunk.token_source is not None:
+                chunk.token_source.step.result()  # the earlier steps too: they resolve in order
+        masks = self.grammars.fill_masks([chunk.state.grammar for chunk in rows])  # type: ignore[union-attr,misc]
+        for chunk, mask in zip(rows, masks, strict=True):
+            chunk.token_mask = mask
 
     @staticmethod
     def _resolve_history_sources(chunks: list[ScheduledChunk]) -> None:
@@ -192,15 +261,16 @@ class WorkerCore:
 
 
 def apply_step(request: worker_pb2.StepRequest, seq_id_to_state: dict[int, WorkerSequence],
-               vocab_size: int) -> list[ScheduledChunk]:
-    """Updates per-sequence state from the step's deltas and lists what to compute, in order."""
+               vocab_size: int, grammars: WorkerGrammars | None = None) -> list[ScheduledChunk]:
+    """Updates per-sequence state from the step's deltas and lists what to compute, in order; grammars:
+    the session's, for new sequences that come with one."""
     for seq_id in request.released_seq_ids:
         seq_id_to_state.pop(seq_id, None)
     chunks: list[ScheduledChunk] = []
     for new in request.new_sequences:
         if new.seq_id in seq_id_to_state:
             raise ValueError(f"sequence {new.seq_id} is already held; release it first")
-        state = seq_id_to_state[new.seq_id] = WorkerSequence.from_message(new, vocab_size)
+        state = seq_id_to_state[new.seq_id] = WorkerSequence.from_message(new, vocab_size, grammars)
         token_ids = list(new.token_ids)
         chunks.append(ScheduledChunk(state, token_ids, samples=state.take_chunk(token_ids)))
         _take_mask(chunks[-1], new, request, vocab_size)
@@ -224,7 +294,14 @@ def apply_step(request: worker_pb2.StepRequest, seq_id_to_state: dict[int, Worke
 
 def _take_mask(chunk: ScheduledChunk, message: worker_pb2.NewSequence | worker_pb2.RunningSequence,
                request: worker_pb2.StepRequest, vocab_size: int) -> None:
-    """Decodes the message's token mask onto its chunk; a chunk that samples nothing ignores it."""
+    """Decodes the message's token mask onto its chunk; a chunk that samples nothing ignores it. A
+    sequence under a grammar takes no mask: the worker computes its own, one iteration at a time."""
+    if chunk.state.grammar is not None:
+        if message.HasField("token_mask"):
+            raise ValueError(f"sequence {message.seq_id}: token_mask: not allowed for a sequence with a grammar")
+        if request.num_decode_steps > 1:
+            raise ValueError(f"sequence {message.seq_id}: grammar: not allowed with num_decode_steps "
+                             f"{request.num_decode_steps} (each iteration would need its own mask)")
     if not message.HasField("token_mask") or not chunk.samples:
         return
     if request.num_decode_steps > 1:

@@ -61,8 +61,28 @@ class TokenIdList(_message.Message):
     ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class Grammar(_message.Message):
+    __slots__ = ("grammar", "output_token_ids")
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    grammar: str
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, grammar: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GrammarTokenizer(_message.Message):
+    __slots__ = ("tokenizer_json", "eos_token_ids", "vocab_size", "num_text_tokens")
+    TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_TEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokenizer_json: str
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    vocab_size: int
+    num_text_tokens: int
+    def __init__(self, tokenizer_json: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., num_text_tokens: _Optional[int] = ...) -> None: ...
+
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "num_computed_tokens", "num_tokens", "num_prompt_tokens", "block_table", "sampling", "cached_token_ids", "token_mask")
+    __slots__ = ("seq_id", "token_ids", "num_computed_tokens", "num_tokens", "num_prompt_tokens", "block_table", "sampling", "cached_token_ids", "token_mask", "grammar")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +92,7 @@ class NewSequence(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_MASK_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
@@ -81,7 +102,8 @@ class NewSequence(_message.Message):
     sampling: SamplingParams
     cached_token_ids: _containers.RepeatedScalarFieldContainer[int]
     token_mask: TokenMask
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cached_token_ids: _Optional[_Iterable[int]] = ..., token_mask: _Optional[_Union[TokenMask, _Mapping]] = ...) -> None: ...
+    grammar: Grammar
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cached_token_ids: _Optional[_Iterable[int]] = ..., token_mask: _Optional[_Union[TokenMask, _Mapping]] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
 
 class RunningSequence(_message.Message):
     __slots__ = ("seq_id", "new_block_ids", "token_ids", "token_mask")
@@ -196,14 +218,16 @@ class DescribeResponse(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_held_sequences: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...
 
 class InitCacheRequest(_message.Message):
-    __slots__ = ("num_kv_blocks", "session_id", "takeover")
+    __slots__ = ("num_kv_blocks", "session_id", "takeover", "grammar_tokenizer")
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TAKEOVER_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
     session_id: str
     takeover: bool
-    def __init__(self, num_kv_blocks: _Optional[int] = ..., session_id: _Optional[str] = ..., takeover: _Optional[bool] = ...) -> None: ...
+    grammar_tokenizer: GrammarTokenizer
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., session_id: _Optional[str] = ..., takeover: _Optional[bool] = ..., grammar_tokenizer: _Optional[_Union[GrammarTokenizer, _Mapping]] = ...) -> None: ...
 
 class InitCacheResponse(_message.Message):
     __slots__ = ("num_kv_blocks",)
