@@ -291,7 +291,7 @@ class EngineCore:
         if wants_logprobs:
             samples = list(samples)
         token_ids = [sampled.token_id for sampled in samples]
-        is_complete = False
+        num_valid, is_complete = len(token_ids), False
         if seq.constraint_state is not None:
             num_valid, is_complete = seq.constraint_state.consume(seq, token_ids)
             if num_valid < len(token_ids) and not is_complete:
@@ -304,6 +304,10 @@ class EngineCore:
         if num_kept < len(token_ids):
             del token_ids[num_kept:]
         seq.append_tokens(token_ids)
+        if seq.constraint_state is not None and num_kept < num_valid:
+            # A stop cut a step of several tokens short: consuming nothing rolls the matcher back to
+            # the tokens kept, so that it holds exactly the sequence's outputs.
+            seq.constraint_state.consume(seq, [])
         if reason is not None:
             self._end(seq, reason, matched_stop)
         output = self._output(seq, token_ids, finished=reason is not None)

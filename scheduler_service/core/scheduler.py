@@ -113,10 +113,13 @@ class Scheduler:
     def _num_decode_steps(self) -> int:
         """Several decode iterations per step amortise the per-step host work over more tokens. Only
         when nothing waits for admission, every running sequence is decoding, and none needs its
-        tokens on the host between iterations (penalties); never past max_model_len."""
+        tokens on the host between iterations (penalties; a constraint, unless the worker advances
+        the grammars: it reads each iteration's tokens of those rows back); never past max_model_len."""
         rows = len(self.running)
-        if not rows or (self.waiting and rows < self.config.max_num_seqs) or self.num_constrained:
-            return 1  # a constrained sequence's next mask needs its last token (on either side): one at a time
+        if not rows or (self.waiting and rows < self.config.max_num_seqs):
+            return 1
+        if self.num_constrained and not self.grammars_on_worker:
+            return 1  # a constrained sequence's next mask needs its last token, which only the worker has
         if rows * self.config.num_decode_steps > self.config.max_num_batched_tokens:
             return 1
         steps = min(self._decode_steps_in_time(), self.config.max_num_batched_tokens // rows)

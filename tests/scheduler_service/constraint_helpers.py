@@ -52,8 +52,8 @@ def masked_reply(step: InFlightStep, rng: random.Random, pick=None) -> worker_pb
 
 class GrammarSampler:
     """A fake worker's sampling for sequences whose grammar it advances: a matcher per sequence from its
-    NewSequence.grammar (past its output tokens), a random allowed token each step, consumed at once, as
-    the worker does; token 5 for free text. Replies must be made in step order."""
+    NewSequence.grammar (past its output tokens), a random allowed token each decode iteration, consumed
+    at once, as the worker does; token 5 for free text. Replies must be made in step order."""
 
     def __init__(self, spec: GrammarTokenizer, rng: random.Random) -> None:
         self.spec = spec
@@ -79,8 +79,8 @@ class GrammarSampler:
                 for _ in range(max(request.num_decode_steps, 1)):
                     response.tokens.add(seq_id=message.seq_id, token_id=5)
             else:
-                assert request.num_decode_steps <= 1
-                response.tokens.add(seq_id=message.seq_id, token_id=self._sample(matcher))
+                for _ in range(max(request.num_decode_steps, 1)):
+                    response.tokens.add(seq_id=message.seq_id, token_id=self._sample(matcher))
         return response
 
     def _sample(self, matcher) -> int:

@@ -197,9 +197,10 @@ def sampler_for(core: EngineCore, compiler: ConstraintCompiler, seed: int) -> Gr
 
 def test_with_worker_grammars_a_constrained_sequence_runs_every_step(compiler, tokenizer) -> None:
     """Its grammar goes once, in its NewSequence, with no output token yet; no step carries a mask; it is
-    scheduled in the step built while its first token is pending, one decode iteration per step."""
+    scheduled in the step built while its first token is pending, and in steps of several decode
+    iterations (the worker reads each iteration's token back for the next mask)."""
     core = attached(tokenizer, grammars_on_worker=True, num_decode_steps=4)
-    regex = Constraint("regex", "[a-z]{40}")
+    regex = Constraint("regex", "[a-z]{400}")  # more characters than 25 tokens hold: it never completes here
     constrained = add(core, compiler, tokenizer, regex, max_tokens=60)
     free = add(core, compiler, tokenizer, None, max_tokens=60)
     sampler = sampler_for(core, compiler, 0)
@@ -209,16 +210,20 @@ def test_with_worker_grammars_a_constrained_sequence_runs_every_step(compiler, t
     assert list(message.grammar.output_token_ids) == [] and not message.HasField("token_mask")
     assert not prefill.request.new_sequences[1].HasField("grammar")
     ahead = core.build_step()  # built while the prefill runs: the constrained one decodes too
-    assert set(ahead.scheduled) == {constrained.seq_id, free.seq_id} and ahead.request.num_decode_steps == 1
+    assert set(ahead.scheduled) == {constrained.seq_id, free.seq_id}
+    num_iterations = [ahead.request.num_decode_steps]
     for _ in range(5):
         core.process_step(prefill, sampler.reply(prefill.step_id, prefill.request))
         prefill, ahead = ahead, core.build_step()
-        assert set(ahead.scheduled) == {constrained.seq_id, free.seq_id} and ahead.request.num_decode_steps == 1
+        assert set(ahead.scheduled) == {constrained.seq_id, free.seq_id}
         assert not any(m.HasField("token_mask") for m in messages(ahead))
+        num_iterations.append(ahead.request.num_decode_steps)
     core.process_step(prefill, sampler.reply(prefill.step_id, prefill.request))
     core.process_step(ahead, sampler.reply(ahead.step_id, ahead.request))
-    assert constrained.num_output_tokens == 7 and re.fullmatch("[a-z]+", text_of(tokenizer, constrained))
-    assert constrained.constraint_state.num_consumed == 7 and sampler.num_grammars == 1
+    assert num_iterations[-1] == 4
+    assert constrained.num_output_tokens == 1 + sum(num_iterations)
+    assert re.fullmatch("[a-z]+", text_of(tokenizer, constrained))
+    assert constrained.constraint_state.num_consumed == constrained.num_output_tokens and sampler.num_grammars == 1
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -244,7 +249,7 @@ def test_with_worker_grammars_outputs_match_and_stop_when_the_grammar_completes(
 def test_with_worker_grammars_a_recomputed_sequence_sends_its_output_tokens(compiler, tokenizer) -> None:
     """After a lost worker the sequence goes again as a NewSequence whose grammar lists every output token
     it holds (none of the step in flight when the worker was lost), and ends as undisturbed."""
-    core = attached(tokenizer, grammars_on_worker=True)
+    core = attached(tokenizer, grammars_on_worker=True, num_decode_steps=1)  # one token a step: 6 before the loss
     seq = add(core, compiler, tokenizer, Constraint("json_schema", json.dumps(SCHEMA)), max_tokens=200)
     sampler = sampler_for(core, compiler, 3)
     in_flight = core.build_step()

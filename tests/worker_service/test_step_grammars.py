@@ -221,16 +221,38 @@ def test_malformed_grammars_are_value_errors_naming_the_field(driver: StepDriver
         driver.step([change(driver, grammar)])
 
 
-def test_a_grammar_sequence_takes_no_mask_and_one_iteration_per_step(driver: StepDriver, compiler, eos_ids) -> None:
+def test_a_grammar_sequence_takes_no_mask(driver: StepDriver, compiler, eos_ids) -> None:
     grammar = compiled(compiler, eos_ids, FREE_TEXT)
     driver.step([with_grammar(driver.new(1, PROMPT, P(temperature=0.0)), grammar)])
     with pytest.raises(ValueError, match=r"^sequence 1: token_mask: not allowed for a sequence with a grammar$"):
         driver.step(running=[running(1, mask=allowed_ids(3))])
-    fresh = StepDriver(WorkerCore(driver.core.config),
-                       grammar_tokenizer=compiler.grammar_tokenizer(VOCAB_SIZE, eos_ids).to_proto())
-    fresh.step([with_grammar(fresh.new(1, PROMPT, P(temperature=0.0)), grammar)])
-    with pytest.raises(ValueError, match=r"^sequence 1: grammar: not allowed with num_decode_steps 2"):
-        fresh.step(running=[running(1)], num_decode_steps=2)
+
+
+def test_multi_iteration_steps_sample_what_single_iteration_steps_do(model: Path, device: str, compiler,
+                                                                      eos_ids) -> None:
+    """Grammar rows (greedy, seeded) beside a free row in steps of 4 decode iterations, launched with
+    lookahead: the worker reads each iteration's tokens of the grammar rows back for the next mask, and
+    the tokens are those of one iteration per step, each allowed."""
+    free_text, json_schema = compiled(compiler, eos_ids, FREE_TEXT), compiled(compiler, eos_ids, JSON)
+    rows: Rows = {1: (P(temperature=0.0), json_schema), 2: (P(temperature=0.9, seed=5), free_text),
+                  3: (P(temperature=0.0), None)}
+    spec = compiler.grammar_tokenizer(VOCAB_SIZE, eos_ids).to_proto()
+    single = run_worker_grammars(StepDriver(WorkerCore(worker_config(model, device)), grammar_tokenizer=spec), rows,
+                                 num_steps=9)
+    driver = StepDriver(WorkerCore(worker_config(model, device)), grammar_tokenizer=spec)
+    new = [with_grammar(driver.new(seq_id, PROMPT, params), grammar) if grammar is not None
+           else driver.new(seq_id, PROMPT, params) for seq_id, (params, grammar) in rows.items()]
+    multi: dict[int, list[int]] = {seq_id: [] for seq_id in rows}
+    in_flight = driver.launch(new)
+    for _ in range(2):
+        ahead = driver.launch(running=[running(seq_id) for seq_id in rows], num_decode_steps=4)
+        collect(multi, in_flight.result())
+        in_flight = ahead
+    collect(multi, in_flight.result())
+    assert multi == single
+    for seq_id, (_, grammar) in rows.items():
+        if grammar is not None:
+            assert_allowed(grammar, multi[seq_id], eos_ids)
 
 
 def test_a_session_without_a_grammar_tokenizer_refuses_grammars(model: Path, compiler, eos_ids) -> None:

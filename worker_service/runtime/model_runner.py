@@ -132,12 +132,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, model_input: ModelInput, num_decode_steps: int = 1,
-            before_sampling: Callable[[list[ScheduledChunk]], None] | None = None) -> StepOutput:
+            before_sampling: Callable[[list[ScheduledChunk], torch.Tensor | None], bool] | None = None
+            ) -> StepOutput:
         """Runs the batch, scores prompt tokens where asked and samples; samples are [num_seqs,
         num_decode_steps]. With num_decode_steps > 1 the batch must be decode-only: each iteration
         feeds the tokens the previous one sampled, without the host in between. before_sampling(the
-        sampling chunks) runs once the forward pass is queued, before their sampling rows are laid out:
-        host work that may wait (the masks of rows under a grammar) overlaps the GPU's."""
+        sampling chunks, the tokens the previous iteration sampled or None) runs once each iteration's
+        forward pass is queued, before its sampling rows are laid out: host work that may wait (the
+        masks of rows under a grammar) overlaps the GPU's. It returns whether it changed a chunk's
+        mask (the rows are laid out again)."""
         plan = (DecodePlan.build(model_input, num_decode_steps, self.config.block_size, self.device)
                 if num_decode_steps > 1 else None)
         gather = self.vocab_slice is None  # under tensor parallelism each rank keeps its slice (_sample)
@@ -151,7 +154,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[model_input.logits_indices], gather)
         # Host work after the forward pass is launched, so that it overlaps the GPU's.
         if before_sampling is not None:
-            before_sampling(model_input.sampled_chunks)
+            before_sampling(model_input.sampled_chunks, None)
         rows = sampling_rows(model_input.sampled_chunks)
         batch = SamplingBatch.build(rows, self.vocab_size, self.device)
         outputs = [self._sample(logits, batch)]
@@ -160,7 +163,11 @@ class ModelRunner:
             hidden = self._forward(outputs[-1].token_ids, plan.positions[index],
                                    plan.metadata(model_input.metadata, index))
             logits = self.model.compute_logits(hidden, gather)
-            if _samples_differently(rows, index):
+            new_masks = before_sampling is not None and before_sampling(model_input.sampled_chunks,
+                                                                        outputs[-1].token_ids)
+            if new_masks:
+                rows = sampling_rows(model_input.sampled_chunks)
+            if new_masks or _samples_differently(rows, index):
                 step_rows = replace(rows, output_index=[i + index for i in rows.output_index])
                 batch = SamplingBatch.build(step_rows, self.vocab_size, self.device)
             outputs.append(self._sample(logits, batch))

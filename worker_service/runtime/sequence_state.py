@@ -115,8 +115,8 @@ class WorkerSequence:
             self.last_token = token_ids[-1]
         if self.token_ids is not None:
             self.token_ids.extend(token_ids)
-        if self.grammar is not None:  # the one place a sampled token reaches the matcher: once each, in order
-            self.grammar.consume(token_ids)
+        if self.grammar is not None:  # where a sampled token reaches the matcher, unless it took it early
+            self.grammar.consume_recorded(token_ids)
 
 
 def _grammar_of(message: worker_pb2.NewSequence, grammars: WorkerGrammars | None) -> SequenceGrammar | None:

@@ -238,19 +238,28 @@ class WorkerCore:
                 except ValueError:
                     pass
 
-    def _fill_grammar_masks(self, chunks: list[ScheduledChunk]) -> None:
+    def _fill_grammar_masks(self, chunks: list[ScheduledChunk], previous: torch.Tensor | None) -> bool:
         """Sets the token mask of each sampling chunk under a grammar, once its matcher has consumed every
-        earlier token: a decode's token from a step not read back yet is read back first (that records
-        it). Called by the runner once the step's forward pass is queued, so that this overlaps it."""
+        earlier token: at a step's first iteration (previous None) a decode's token from a step not read
+        back yet is read back first (that records it); at a later iteration the tokens the previous one
+        sampled (previous, [rows]) are read back for those rows alone. Called by the runner once the
+        iteration's forward pass is queued, so that this overlaps it. Returns whether any mask was set."""
         rows = [chunk for chunk in chunks if chunk.state.grammar is not None]
         if not rows:
-            return
-        for chunk in rows:
-            if chunk.token_source is not None:
-                chunk.token_source.step.result()  # the earlier steps too: they resolve in order
+            return False
+        if previous is None:
+            for chunk in rows:
+                if chunk.token_source is not None:
+                    chunk.token_source.step.result()  # the earlier steps too: they resolve in order
+        else:
+            indices = [index for index, chunk in enumerate(chunks) if chunk.state.grammar is not None]
+            index_tensor = torch.tensor(indices, device=previous.device)
+            for chunk, token_id in zip(rows, previous.index_select(0, index_tensor).tolist(), strict=True):
+                chunk.state.grammar.take_early(token_id)  # type: ignore[union-attr]
         masks = self.grammars.fill_masks([chunk.state.grammar for chunk in rows])  # type: ignore[union-attr,misc]
         for chunk, mask in zip(rows, masks, strict=True):
             chunk.token_mask = mask
+        return True
 
     @staticmethod
     def _resolve_history_sources(chunks: list[ScheduledChunk]) -> None:
@@ -295,13 +304,9 @@ def apply_step(request: worker_pb2.StepRequest, seq_id_to_state: dict[int, Worke
 def _take_mask(chunk: ScheduledChunk, message: worker_pb2.NewSequence | worker_pb2.RunningSequence,
                request: worker_pb2.StepRequest, vocab_size: int) -> None:
     """Decodes the message's token mask onto its chunk; a chunk that samples nothing ignores it. A
-    sequence under a grammar takes no mask: the worker computes its own, one iteration at a time."""
-    if chunk.state.grammar is not None:
-        if message.HasField("token_mask"):
-            raise ValueError(f"sequence {message.seq_id}: token_mask: not allowed for a sequence with a grammar")
-        if request.num_decode_steps > 1:
-            raise ValueError(f"sequence {message.seq_id}: grammar: not allowed with num_decode_steps "
-                             f"{request.num_decode_steps} (each iteration would need its own mask)")
+    sequence under a grammar takes no mask: the worker computes its own, at every iteration."""
+    if chunk.state.grammar is not None and message.HasField("token_mask"):
+        raise ValueError(f"sequence {message.seq_id}: token_mask: not allowed for a sequence with a grammar")
     if not message.HasField("token_mask") or not chunk.samples:
         return
     if request.num_decode_steps > 1:

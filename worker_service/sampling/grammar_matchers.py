@@ -119,7 +119,7 @@ class WorkerGrammars:
 class SequenceGrammar:
     """One sequence's matcher on the worker: it has consumed every token sampled for the sequence so far."""
 
-    __slots__ = ("seq_id", "matcher", "spec", "is_ended", "has_failed")
+    __slots__ = ("seq_id", "matcher", "spec", "is_ended", "has_failed", "num_taken_early")
 
     def __init__(self, seq_id: int, matcher: llguidance.LLMatcher, spec: GrammarTokenizer) -> None:
         self.seq_id = seq_id
@@ -128,6 +128,19 @@ class SequenceGrammar:
         # An EOS past the tokenizer's tokens ended the output (llguidance does not know the id): EOS alone next.
         self.is_ended = False
         self.has_failed = False  # a token was refused: the matcher is in error, its masks EOS alone
+        # Tokens of the step being run that a later iteration of it consumed already (take_early).
+        self.num_taken_early = 0
+
+    def take_early(self, token_id: int) -> None:
+        """A token an iteration of a multi-iteration step sampled, read back for the next iteration's
+        mask before the step's tokens are recorded."""
+        self.consume([token_id])
+        self.num_taken_early += 1
+
+    def consume_recorded(self, token_ids: list[int]) -> None:
+        """A step's tokens as the worker records them: those not taken early."""
+        taken, self.num_taken_early = self.num_taken_early, 0
+        self.consume(token_ids[taken:])
 
     def consume(self, token_ids: Iterable[int]) -> None:
         """Advances past the sequence's next tokens, in order. A token the grammar refuses cannot be
