@@ -132,13 +132,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, model_input: ModelInput, num_decode_steps: int = 1,
-            before_sampling: Callable[[list[ScheduledChunk], torch.Tensor | None], bool] | None = None
+            before_sampling: Callable[[list[ScheduledChunk], HostTokens | None], bool] | None = None
             ) -> StepOutput:
         """Runs the batch, scores prompt tokens where asked and samples; samples are [num_seqs,
         num_decode_steps]. With num_decode_steps > 1 the batch must be decode-only: each iteration
         feeds the tokens the previous one sampled, without the host in between. before_sampling(the
-        sampling chunks, the tokens the previous iteration sampled or None) runs once each iteration's
-        forward pass is queued, before its sampling rows are laid out: host work that may wait (the
+        sampling chunks, the tokens the previous iteration sampled (HostTokens) or None) runs once each
+        iteration's forward pass is queued, before its sampling rows are laid out: host work that may wait (the
         masks of rows under a grammar) overlaps the GPU's. It returns whether it changed a chunk's
         mask (the rows are laid out again)."""
         plan = (DecodePlan.build(model_input, num_decode_steps, self.config.block_size, self.device)
@@ -160,11 +160,13 @@ class ModelRunner:
         outputs = [self._sample(logits, batch)]
         for index in range(1, num_decode_steps):
             assert plan is not None
+            # Copied to the host before the next forward pass is queued, so reading them waits for the
+            # sampling alone, and the host's work on them overlaps that forward pass.
+            previous = HostTokens(outputs[-1].token_ids) if before_sampling is not None else None
             hidden = self._forward(outputs[-1].token_ids, plan.positions[index],
                                    plan.metadata(model_input.metadata, index))
             logits = self.model.compute_logits(hidden, gather)
-            new_masks = before_sampling is not None and before_sampling(model_input.sampled_chunks,
-                                                                        outputs[-1].token_ids)
+            new_masks = before_sampling is not None and before_sampling(model_input.sampled_chunks, previous)
             if new_masks:
                 rows = sampling_rows(model_input.sampled_chunks)
             if new_masks or _samples_differently(rows, index):
@@ -222,6 +224,26 @@ class ModelRunner:
         for step, (rows, positions) in step_to_rows.items():
             index = host_to_device(torch.tensor([rows, positions], dtype=torch.int64), self.device)
             model_input.input_ids[index[1]] = step.device_token_ids[index[0]]
+
+
+class HostTokens:
+    """Sampled token ids on their way to the host: a non-blocking copy into pinned memory, read once
+    the sampling that made them is done (not the work queued after it)."""
+
+    def __init__(self, token_ids: torch.Tensor) -> None:
+        self._event = None
+        if token_ids.is_cuda:
+            self._host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            self._host.copy_(token_ids, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = token_ids
+
+    def tolist(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
 
 
 def _samples_differently(rows: SamplingRows, index: int) -> bool:

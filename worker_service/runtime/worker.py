@@ -21,7 +21,7 @@ from common.contract.worker_description import WorkerDescription
 from common.gc_pauses import freeze_startup_objects
 from common.generated.nanovllm.worker.v1 import worker_pb2
 from worker_service.runtime.batch import ScheduledChunk, build_model_input
-from worker_service.runtime.model_runner import ModelRunner, StepOutput
+from worker_service.runtime.model_runner import HostTokens, ModelRunner, StepOutput
 from worker_service.runtime.prompt_logprobs import record_prompt_logprobs
 from worker_service.runtime.sequence_state import PendingToken, WorkerSequence
 from worker_service.sampling.grammar_matchers import WorkerGrammars
@@ -238,7 +238,7 @@ class WorkerCore:
                 except ValueError:
                     pass
 
-    def _fill_grammar_masks(self, chunks: list[ScheduledChunk], previous: torch.Tensor | None) -> bool:
+    def _fill_grammar_masks(self, chunks: list[ScheduledChunk], previous: HostTokens | None) -> bool:
         """Sets the token mask of each sampling chunk under a grammar, once its matcher has consumed every
         earlier token: at a step's first iteration (previous None) a decode's token from a step not read
         back yet is read back first (that records it); at a later iteration the tokens the previous one
@@ -252,10 +252,10 @@ class WorkerCore:
                 if chunk.token_source is not None:
                     chunk.token_source.step.result()  # the earlier steps too: they resolve in order
         else:
-            indices = [index for index, chunk in enumerate(chunks) if chunk.state.grammar is not None]
-            index_tensor = torch.tensor(indices, device=previous.device)
-            for chunk, token_id in zip(rows, previous.index_select(0, index_tensor).tolist(), strict=True):
-                chunk.state.grammar.take_early(token_id)  # type: ignore[union-attr]
+            token_ids = previous.tolist()
+            for index, chunk in enumerate(chunks):
+                if chunk.state.grammar is not None:
+                    chunk.state.grammar.take_early(token_ids[index])
         masks = self.grammars.fill_masks([chunk.state.grammar for chunk in rows])  # type: ignore[union-attr,misc]
         for chunk, mask in zip(rows, masks, strict=True):
             chunk.token_mask = mask
