@@ -82,7 +82,10 @@ for s in ${@:-tests attention throughput}; do
              tests/worker_service/test_fused_sampling.py tests/worker_service/test_triton_rope_store.py \
              tests/worker_service/test_triton_activation.py tests/worker_service/test_triton_fp8_kv.py \
              tests/worker_service/test_gpu_fp8_kv.py tests/worker_service/test_triton_norm.py \
-             tests/worker_service/test_triton_skinny_matmul.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+             tests/worker_service/test_triton_skinny_matmul.py tests/worker_service/test_step_grammars.py \
+             tests/worker_service/test_step_constraints.py tests/worker_service/test_logit_edits.py \
+             tests/worker_service/test_fused_logit_edits.py tests/worker_service/test_prompt_logprobs.py \
+             2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     profile) timeout 300 python3 bench/profile_decode.py 2>&1 | grep -v Warn | tee "$OUT/profile.log" | tail -40 ;;
     attention) timeout 240 python3 bench/attention_bench.py 2>&1 | tee "$OUT/attention.log" | tail -30 ;;
     throughput) timeout 540 python3 bench/throughput.py --modes inprocess,grpc --json-out "$OUT/throughput.json" \
