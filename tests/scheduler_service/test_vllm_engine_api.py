@@ -384,3 +384,26 @@ def test_mtls_applies(tmp_path: Path) -> None:
             assert error.value.code() == grpc.StatusCode.UNAVAILABLE  # no client certificate: no handshake
     finally:
         server.stop()
+
+
+def test_the_sampling_fields_map_onto_ours() -> None:
+    """n, min_tokens, logit_bias, prompt_logprobs and each constraint form reach our SamplingParams."""
+    from common.contract.constraint import Constraint
+    from common.contract.worker_description import WorkerDescription
+    from scheduler_service.api.vllm.request_conversion import sampling_params
+
+    info = WorkerDescription(model_name="m", dtype="float32", block_size=16, max_model_len=64, vocab_size=32,
+                             num_kv_blocks=8, device="cpu", eos_token_ids=(1,))
+    params = sampling_params(generate_request([6, 7], n=3, min_tokens=2, max_tokens=9, logit_bias={9: -5.0, 4: 2.5},
+                                              prompt_logprobs=2, seed=4, regex="[ab]+"), 2, info)
+    assert (params.n, params.min_tokens, params.max_tokens, params.seed) == (3, 2, 9, 4)
+    assert params.logit_bias == ((4, 2.5), (9, -5.0)) and params.num_prompt_logprobs == 2
+    assert params.constraint == Constraint("regex", "[ab]+")
+    forms = {"json_schema": ({"json_schema": '{"type": "object"}'}, '{"type": "object"}'),
+             "grammar": ({"grammar": 'start: "a"'}, 'start: "a"'),
+             "json_object": ({"json_object": True}, ""),
+             "choice": ({"choice": vllm_engine_pb2.ChoiceConstraint(choices=["x", "y"])}, ("x", "y"))}
+    for kind, (fields, value) in forms.items():
+        assert sampling_params(generate_request([6], **fields), 1, info).constraint == Constraint(kind, value)
+    unset = sampling_params(generate_request([6], json_object=False), 1, info)
+    assert (unset.constraint, unset.n, unset.num_prompt_logprobs, unset.logit_bias) == (None, 1, None, ())
