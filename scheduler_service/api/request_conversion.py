@@ -8,7 +8,7 @@ that name a public field the engine does not know (token_ids, chat, top_logprobs
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from jinja2.exceptions import TemplateError
@@ -138,6 +138,16 @@ def constraint_of(message: generate_pb2.Constraint) -> Constraint | None:
     kind = message.WhichOneof("kind")
     if kind is None:
         raise RequestError("constraint: set one of json_schema, json_object, regex, grammar or choice")
+    try:
+        return constraint_in(message, kind)
+    except ValueError as exc:
+        raise RequestError(str(exc)) from exc
+
+
+def constraint_in(message: Any, kind: str) -> Constraint | None:
+    """The constraint a message's oneof holds (kind: its set field), for both public protos, which spell
+    the fields alike (json_schema, json_object, regex, grammar, choice.choices); None for json_object
+    false. Raises ValueError naming `constraint.<field>`."""
     if kind == "json_object" and not message.json_object:
         return None
     value: str | tuple[str, ...] = ""
@@ -145,10 +155,7 @@ def constraint_of(message: generate_pb2.Constraint) -> Constraint | None:
         value = tuple(message.choice.choices)
     elif kind != "json_object":
         value = getattr(message, kind)
-    try:
-        return Constraint(kind, value)
-    except ValueError as exc:
-        raise RequestError(str(exc)) from exc
+    return Constraint(kind, value)
 
 
 def float32_value(value: float) -> float:

@@ -136,23 +136,31 @@ async def collect(engine: AsyncEngine, params: SamplingParams) -> tuple[str, Fin
     return text, reason
 
 
+async def schema_regex_and_free(engine) -> list:
+    """A JSON-schema request, a regex request and a free one, at once: each one's (text, finish reason)."""
+    return await asyncio.gather(
+        collect(engine, SamplingParams(max_tokens=100, constraint=Constraint("json_schema", json.dumps(SCHEMA)))),
+        collect(engine, SamplingParams(max_tokens=100, constraint=Constraint("regex", "(ab|cd){3}"))),
+        collect(engine, SamplingParams(max_tokens=20, ignore_eos=True)))
+
+
+def check_schema_regex_and_free(results: list) -> None:
+    (schema_text, schema_reason), (regex_text, regex_reason), (_, free_reason) = results
+    jsonschema.validate(json.loads(schema_text), SCHEMA)
+    assert re.fullmatch("(ab|cd){3}", regex_text)
+    assert (schema_reason, regex_reason, free_reason) == (FinishReason.STOP, FinishReason.STOP, FinishReason.LENGTH)
+
+
 def test_constrained_and_free_requests_run_together(tokenizer) -> None:
     async def scenario() -> list:
         engine = await started(MaskedWorker(tokenizer.eos_token_id), tokenizer)
         try:
             assert engine.has_constraints and engine.max_grammar_compile_ms == 2000
-            return await asyncio.gather(
-                collect(engine, SamplingParams(max_tokens=100, constraint=Constraint("json_schema",
-                                                                                     json.dumps(SCHEMA)))),
-                collect(engine, SamplingParams(max_tokens=100, constraint=Constraint("regex", "(ab|cd){3}"))),
-                collect(engine, SamplingParams(max_tokens=20, ignore_eos=True)))
+            return await schema_regex_and_free(engine)
         finally:
             await engine.shutdown(0)
 
-    (schema_text, schema_reason), (regex_text, regex_reason), (_, free_reason) = run(scenario())
-    jsonschema.validate(json.loads(schema_text), SCHEMA)
-    assert re.fullmatch("(ab|cd){3}", regex_text)
-    assert (schema_reason, regex_reason, free_reason) == (FinishReason.STOP, FinishReason.STOP, FinishReason.LENGTH)
+    check_schema_regex_and_free(run(scenario()))
 
 
 def test_a_malformed_constraint_or_no_tokenizer_is_refused_before_queuing(tokenizer) -> None:
@@ -198,18 +206,11 @@ def test_who_advances_the_grammars(tokenizer, grammar_masks: str, tensor_paralle
     async def scenario() -> list:
         engine = await started(worker, tokenizer, grammar_masks=grammar_masks)
         try:
-            return await asyncio.gather(
-                collect(engine, SamplingParams(max_tokens=100, constraint=Constraint("json_schema",
-                                                                                     json.dumps(SCHEMA)))),
-                collect(engine, SamplingParams(max_tokens=100, constraint=Constraint("regex", "(ab|cd){3}"))),
-                collect(engine, SamplingParams(max_tokens=20, ignore_eos=True)))
+            return await schema_regex_and_free(engine)
         finally:
             await engine.shutdown(0)
 
-    (schema_text, schema_reason), (regex_text, regex_reason), (_, free_reason) = run(scenario())
-    jsonschema.validate(json.loads(schema_text), SCHEMA)
-    assert re.fullmatch("(ab|cd){3}", regex_text)
-    assert (schema_reason, regex_reason, free_reason) == (FinishReason.STOP, FinishReason.STOP, FinishReason.LENGTH)
+    check_schema_regex_and_free(run(scenario()))
     if not on_worker:
         assert worker.grammar_tokenizer is None and worker.num_masks > 0
         return

@@ -26,6 +26,7 @@ from common.contract.worker_description import WorkerDescription
 from scheduler_service.api.request_conversion import (
     MAX_REQUEST_ID_BYTES,
     check_vocabulary,
+    constraint_in,
     encode_text,
     float32_value,
 )
@@ -107,15 +108,10 @@ def _check_sampling_supported(params: vllm_engine_pb2.SamplingParams) -> None:
 def constraint_of(params: vllm_engine_pb2.SamplingParams) -> Constraint | None:
     """The request's structured-output constraint (None: free text); errors name this proto's field."""
     kind = params.WhichOneof("constraint")
-    if kind is None or (kind == "json_object" and not params.json_object):
+    if kind is None:
         return None
-    value: str | tuple[str, ...] = ""
-    if kind == "choice":
-        value = tuple(params.choice.choices)
-    elif kind != "json_object":
-        value = getattr(params, kind)
     try:
-        return Constraint(kind, value)
+        return constraint_in(params, kind)
     except ValueError as exc:
         raise RequestError(vllm_field_message(str(exc))) from exc
 
