@@ -212,7 +212,9 @@ class WorkerCore:
             with self.lock:
                 model_input = build_model_input(chunks, self.config.block_size, self.runner.device)
             # Not under the lock: a grammar's row waits there for an earlier step's read-back, which takes it.
-            before_sampling = self._fill_grammar_masks if self.grammars is not None else None
+            # Only for a step with a row under a grammar: the others copy no token to the host.
+            has_grammar_rows = self.grammars is not None and any(c.state.grammar is not None for c in chunks)
+            before_sampling = self._fill_grammar_masks if has_grammar_rows else None
             output = self.runner.run(model_input, num_decode_steps, before_sampling)
         with self.lock:
             if output is not None and output.prompt is not None:
