@@ -166,6 +166,8 @@ class WorkerConfig:
                                         "memory)", min=1)
     tensor_parallel_size: int = option(1, "shard the model over the first N visible GPUs (N processes on CPU)",
                                        aliases=("-tp",), min=1)
+    deterministic: bool = option(False, "batch-invariant kernels: greedy and seeded outputs bit-identical whatever "
+                                 "else the batch holds, through recomputes and at any tensor-parallel size (slower)")
     cpu_weight_format: str = option("auto", "GGUF on CPU: int4 keeps 4-bit projections quantized (faster, "
                                     "bfloat16 activations), float32 dequantizes (token-exact with transformers); "
                                     "auto: int4", choices=("auto", "float32", "int4"))
