@@ -18,6 +18,7 @@ _BACKEND_MODULES: dict[str, str] = {
     "torch": "worker_service.attention.torch_backend",
     "torch-sdpa": "worker_service.attention.torch_backend",
     "triton": "worker_service.attention.triton_backend",
+    "triton-invariant": "worker_service.attention.triton_invariant",
 }
 # device type -> default backend name; devices not listed fall back to the portable "torch" backend.
 _DEVICE_DEFAULTS: dict[str, str] = {

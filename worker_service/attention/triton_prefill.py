@@ -91,6 +91,7 @@ def _prefill_kernel(
     stride_o_tok, stride_o_head,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, IS_FP8: tl.constexpr,
+    ONE_PASS: tl.constexpr,
 ):
     # Last query tiles first: they see the longest context, so the long programs start early.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -125,12 +126,15 @@ def _prefill_kernel(
     v_scale_head = v_scale_ptr + kv_head * stride_s_head
     first_position = context_len + first_token
     last_position = context_len + tl.minimum(first_token + BLOCK_Q, query_len) - 1
-    # Whole tiles at or below the tile's first query position are visible to all its rows.
-    diagonal_start = (first_position + 1) // BLOCK_N * BLOCK_N
-    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_positions, k_head, v_head, k_scale_head, v_scale_head, table,
-                                  0, diagonal_start, scale_log2, stride_k_block, stride_k_tok, stride_v_block,
-                                  stride_v_tok, stride_s_block, stride_s_tok, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False,
-                                  DOT_PRECISION, IS_FP8)
+    # Whole tiles at or below the tile's first query position are visible to all its rows. With
+    # ONE_PASS every tile takes the masked path: a row's sums then never depend on where its query
+    # tile starts (the compiled unmasked path may round differently), the batch-invariant mode's need.
+    diagonal_start = 0 if ONE_PASS else (first_position + 1) // BLOCK_N * BLOCK_N
+    if not ONE_PASS:
+        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_positions, k_head, v_head, k_scale_head, v_scale_head,
+                                      table, 0, diagonal_start, scale_log2, stride_k_block, stride_k_tok,
+                                      stride_v_block, stride_v_tok, stride_s_block, stride_s_tok, HEAD_DIM,
+                                      BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, IS_FP8)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_positions, k_head, v_head, k_scale_head, v_scale_head, table,
                                   diagonal_start, last_position + 1, scale_log2, stride_k_block, stride_k_tok,
                                   stride_v_block, stride_v_tok, stride_s_block, stride_s_tok, HEAD_DIM, BLOCK_SIZE,
@@ -145,7 +149,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   out: torch.Tensor | None = None, *, k_scale: torch.Tensor | None = None,
                   v_scale: torch.Tensor | None = None, max_block_m: int = PREFILL_MAX_BLOCK_M,
                   block_n: int = PREFILL_BLOCK_N, num_warps: int | None = None,
-                  num_stages: int = PREFILL_NUM_STAGES) -> torch.Tensor:
+                  num_stages: int = PREFILL_NUM_STAGES, one_pass: bool = False) -> torch.Tensor:
     """Causal attention of packed query tokens over their sequences' paged contexts.
 
     q: [num_tokens, num_heads, head_dim], tokens of sequence s at query_start_loc[s]..[s+1]-1, the
@@ -155,6 +159,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     v_scale: an fp8 cache's per-head-vector scales, float32 [num_blocks, block_size, num_kv_heads]
     (kv_quant; None otherwise).
     max_block_m, block_n, num_warps (None: by tile size), num_stages: tuning knobs (see the bench).
+    one_pass: every K/V tile through the masked path (the batch-invariant backend's choice, triton_invariant).
     Launches only, no host sync.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -183,6 +188,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_N=block_n, DOT_PRECISION=dot_precision(compute_dtype(q, k_cache)), IS_FP8=is_fp8(k_cache.dtype),
-        num_warps=num_warps or (8 if block_m >= 128 and head_dim >= 128 else 4), num_stages=num_stages,
+        ONE_PASS=one_pass, num_warps=num_warps or (8 if block_m >= 128 and head_dim >= 128 else 4),
+        num_stages=num_stages,
     )
     return out
