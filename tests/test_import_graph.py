@@ -17,7 +17,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("scheduler_service.api", "worker_service.api"),
     ("scheduler_service.observe",),
     ("scheduler_service.lanes", "worker_service.runtime"),
-    ("scheduler_service.constraints",),  # structured output: the core holds its states through a protocol
+    # structured output: the core holds its states through a protocol; --deterministic's kernels
+    ("scheduler_service.constraints", "worker_service.invariant"),
     ("scheduler_service.core", "worker_service.loader"),
     ("worker_service.models",),
     ("worker_service.layers", "worker_service.attention", "worker_service.sampling"),
