@@ -13,7 +13,9 @@ sequences of 1024 new tokens each, causal, in TFLOP/s. Times are triton.testing.
 (it flushes the L2 before each run, so the K/V really come from HBM). Each Triton result is first
 checked against SDPA's output, so a broken kernel cannot post a number. With --kv-cache-dtype fp8 the
 decode kernel reads an e4m3 cache with its per-vector scales (kv_quant), SDPA the dequantized K/V,
-and the bytes counted are the fp8 values plus their float32 scales.
+and the bytes counted are the fp8 values plus their float32 scales. The invariant-dec and invariant-pre
+rows time what `--deterministic` runs instead (attention/triton_invariant: the prefill kernel for decode
+batches too, every tile through the masked path).
 """
 from __future__ import annotations
 
@@ -151,13 +153,20 @@ def decode_rows(block_size: int, batch: int, context: int, device: torch.device,
     def run() -> torch.Tensor:
         return paged_decode(q, k_cache, v_cache, tables, seq_lens, SCALE, splits, workspace, out, **scales)
 
+    starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
+
+    def run_invariant() -> torch.Tensor:  # --deterministic's decode: the prefill kernel, every tile masked
+        return paged_prefill(q, k_cache, v_cache, tables, seq_lens, starts, 1, SCALE, out, one_pass=True, **scales)
+
     reference = sdpa(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), is_causal=False)
     error = relative_error(run(), reference()[:, :, 0])
+    invariant_error = relative_error(run_invariant(), reference()[:, :, 0])
     rows = []
     for what, fn, split_label, err in (("triton-dec-fp8" if fp8 else "triton-decode", run, splits, error),
+                                       ("invariant-dec", run_invariant, 1, invariant_error),
                                        (f"sdpa-{reference.__doc__}", reference, "-", float("nan"))):
         ms = bench_ms(fn)
-        rows.append(Row(what, block_size if fn is run else "-", batch, context, split_label, ms * 1e3,
+        rows.append(Row(what, block_size if fn is not reference else "-", batch, context, split_label, ms * 1e3,
                         kv_bytes / ms / 1e6, "GB/s", err))
     return rows
 
@@ -176,6 +185,10 @@ def prefill_rows(num_seqs: int, query_len: int, block_size: int, device: torch.d
     def run() -> torch.Tensor:
         return paged_prefill(packed_q, k_cache, v_cache, tables, seq_lens, starts, query_len, SCALE, out, **config)
 
+    def run_one_pass() -> torch.Tensor:  # --deterministic's prefill
+        return paged_prefill(packed_q, k_cache, v_cache, tables, seq_lens, starts, query_len, SCALE, out,
+                             one_pass=True, **config)
+
     reference = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
     error = relative_error(run(), reference().transpose(1, 2).flatten(0, 1))
     # Causal: each head computes QK^T and PV over query_len * (query_len + 1) / 2 (query, key) pairs.
@@ -184,11 +197,14 @@ def prefill_rows(num_seqs: int, query_len: int, block_size: int, device: torch.d
     label = "triton-prefill" if not config else "prefill " + ",".join(f"{short[name]}{value}"
                                                                       for name, value in config.items())
     rows = []
-    for what, fn, err in ((label, run, error), (f"sdpa-{reference.__doc__}", reference, float("nan"))):
-        if fn is reference and config:
+    one_pass_error = relative_error(run_one_pass(), reference().transpose(1, 2).flatten(0, 1))
+    cases = [(label, run, error), ("invariant-pre", run_one_pass, one_pass_error),
+             (f"sdpa-{reference.__doc__}", reference, float("nan"))]
+    for what, fn, err in cases:
+        if fn is not run and config:
             continue
         ms = bench_ms(fn)
-        rows.append(Row(what, block_size if fn is run else "-", num_seqs, query_len, "-", ms * 1e3,
+        rows.append(Row(what, block_size if fn is not reference else "-", num_seqs, query_len, "-", ms * 1e3,
                         flops / ms / 1e9, "TFLOP/s", err))
     return rows
 
