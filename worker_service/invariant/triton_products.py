@@ -34,8 +34,10 @@ from worker_service.parallel.distributed import all_gather_rows, tp_size
 SEGMENT = 128  # columns of K per segment: K / tensor_parallel_size must be a multiple (whole segments per rank)
 BLOCK_K = 64
 BLOCK_N = 128
-# Below this many (M tile, N tile) programs, segments run in parallel (partials + _sum_segments_kernel).
+# Below this many (M tile, N tile) programs, segments run in parallel (partials + _sum_segments_kernel),
+# when the partials (4 bytes x segments x M x N) stay small beside the weight (2 bytes x K x N): M <= 64.
 MIN_PROGRAMS = 264  # two per multiprocessor of an H100/H200
+MAX_SPLIT_ROWS = 64
 
 
 @triton.jit
@@ -181,7 +183,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     segment = segment_length(k)
     block_m = block_m_for(m)
     programs = triton.cdiv(m, block_m) * triton.cdiv(n, BLOCK_N)
-    if m and n and programs < MIN_PROGRAMS and k > segment:
+    if m and n and programs < MIN_PROGRAMS and m <= MAX_SPLIT_ROWS and k > segment:
         sum_segments(segment_partials(rows, weight), bias, product)
     elif m and n:
         _matmul_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N))](
