@@ -1,10 +1,11 @@
 """The batch-invariant Triton kernels of `--deterministic`: a row's result is the same bits whatever
 else is computed with it.
 
-- The product (invariant/triton_products): every row of x W^T equals the same row of one large call,
-  for call sizes from 1 row to thousands (every row tile, both the one-pass and the segment-partials
-  path), at any start row; a row-parallel split of K over "ranks" (each rank's segment partials,
-  concatenated in rank order, added by sum_segments) equals the whole product; close to float64.
+- The products (invariant/triton_products, the chain and the segmented one): every row of x W^T equals
+  the same row of one large call, for call sizes from 1 row to thousands (every row tile, the segmented
+  product's one-pass and partials paths), at any start row; a row-parallel split of K over "ranks"
+  (each rank's segment partials, concatenated in rank order, added by sum_segments) equals the whole
+  segmented product; both close to float64.
 - The attention (attention/triton_invariant): each query row of a full prefill equals the same row
   computed as a decode token (alone, or batched with other sequences of other lengths) and inside
   prefill chunks of other sizes after a cached prefix.
@@ -37,20 +38,22 @@ ROW_COUNTS = [1, 2, 3, 17, 40] if INTERPRET else [1, 2, 3, 7, 15, 16, 17, 31, 33
                                                   300, 512, 1000, 2047, 4096]
 
 
+@pytest.mark.parametrize("product", ["linear", "segmented_linear"])
 @pytest.mark.parametrize("dtype", [LOW, torch.float32])
 @pytest.mark.parametrize("k, n", SHAPES)
-def test_product_rows_do_not_depend_on_the_batch(k: int, n: int, dtype: torch.dtype) -> None:
+def test_product_rows_do_not_depend_on_the_batch(k: int, n: int, dtype: torch.dtype, product: str) -> None:
     generator = torch.Generator(DEVICE).manual_seed(k + n)
     total = max(ROW_COUNTS) + 5
     x = torch.randn(total, k, generator=generator, device=DEVICE).to(dtype)
     weight = (torch.randn(n, k, generator=generator, device=DEVICE) / k ** 0.5).to(dtype)
     bias = torch.randn(n, generator=generator, device=DEVICE).to(dtype)
-    whole = triton_products.linear(x, weight, bias)
+    multiply = getattr(triton_products, product)
+    whole = multiply(x, weight, bias)
     exact = x.double() @ weight.double().T + bias.double()
     assert torch.allclose(whole.double(), exact, atol=0.05 if dtype != torch.float32 else 1e-4, rtol=0.02)
     for rows in ROW_COUNTS:
         for start in sorted({0, 1, total - rows}):
-            part = triton_products.linear(x[start:start + rows], weight, bias)
+            part = multiply(x[start:start + rows], weight, bias)
             assert torch.equal(part, whole[start:start + rows]), f"{rows} rows from row {start}"
 
 
@@ -68,7 +71,7 @@ def test_row_parallel_segments_sum_to_the_whole_product(ranks: int) -> None:
                                                            weight[:, r * width:(r + 1) * width].contiguous())
                           for r in range(ranks)])
     summed = triton_products.sum_segments(partials, bias, torch.empty(37, n, dtype=LOW, device=DEVICE))
-    assert torch.equal(summed, triton_products.linear(x, weight, bias))
+    assert torch.equal(summed, triton_products.segmented_linear(x, weight, bias))
 
 
 def _batch(base: PagedBatch, rows: list[tuple[int, int, int]]) -> PagedBatch:

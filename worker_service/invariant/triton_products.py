@@ -1,26 +1,28 @@
-"""Batch-invariant y = x W^T (+ b) on GPUs, as one Triton kernel: each row's result is the same bits
+"""Batch-invariant y = x W^T (+ b) on GPUs, as Triton kernels: each row's result is the same bits
 whatever the other rows are, however many there are, and at any tensor-parallel size.
 
 cuBLAS chooses its algorithm (tile shapes, split-K, stream-K) by the problem's shape, so a row's
 sums are reduced in an order that depends on how many rows came with it; the skinny decode kernel
 (layers/triton_skinny_matmul) sums in yet another order. Here the order is a function of K alone:
 
-- K splits into segments of SEGMENT columns (a whole multiple of BLOCK_K); inside a segment the
-  products accumulate in float32 through tl.dot over BLOCK_K steps, from zero; the segments' sums are
-  then added in segment order, in float32, and the bias last. Nothing in that order depends on M.
-- A program either walks all segments itself (large M: enough programs anyway), or computes one
-  segment and writes its float32 partial, and `_sum_segments_kernel` adds the partials in the same
-  order (small M: segments become parallel work, like split-K, without atomics). Both give the same
-  bits (tested), so the choice can follow M.
-- A row-parallel layer over N ranks (o_proj, down_proj) holds K / N columns: whole segments. Each
-  rank writes its segments' partials, the partials are gathered (rank order is segment order), and
-  every rank adds all of them in order: the sum of TP = 1, exactly.
+- `linear` (column-parallel layers and the head: ranks split N, never K): each output is one tl.dot
+  chain over K in BLOCK_K steps, from zero, in float32, the bias added last.
+- `segmented_linear` / `row_linear` (o_proj, down_proj, whose ranks split K): K splits into segments
+  of SEGMENT columns; each segment's sum is a chain from zero, and the segments' sums are added in
+  segment order. A program walks all segments itself (many rows), or computes one segment and writes
+  its float32 partial for `_sum_segments_kernel` to add in the same order (<= 64 rows: segments become
+  parallel work, like split-K, without atomics); both give the same bits. Over N ranks each rank holds
+  whole segments, writes their partials, the partials are gathered (rank order is segment order) and
+  every rank adds all of them in order: the sums of one rank, exactly.
 
-The tile shapes depend on M (BLOCK_M) but not the reduction: the tests check that a row's result is
-identical at every BLOCK_M this module uses (the tensor cores' products and their float32 sums per
-k-step do not depend on the tile's other rows), and at every M from 1 to thousands.
+The tile shapes depend on M but not the reduction: the tests check that a row's result is identical at
+every row tile this module uses (the tensor cores' products and their float32 sums per k-step do not
+depend on the tile's other rows), and at every M from 1 to thousands. The chain is the faster of the
+two (its loop pipelines without a wait at each segment's end: bench/invariant_matmul_bench.py).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -34,6 +36,7 @@ from worker_service.parallel.distributed import all_gather_rows, tp_size
 SEGMENT = 128  # columns of K per segment: K / tensor_parallel_size must be a multiple (whole segments per rank)
 BLOCK_K = 64
 BLOCK_N = 128
+NUM_STAGES = 3
 # Below this many (M tile, N tile) programs, segments run in parallel (partials + _sum_segments_kernel),
 # when the partials (4 bytes x segments x M x N) stay small beside the weight (2 bytes x K x N): M <= 64.
 MIN_PROGRAMS = 264  # two per multiprocessor of an H100/H200
@@ -43,26 +46,54 @@ MAX_SPLIT_ROWS = 64
 @triton.jit
 def _segment_sum(x_ptr, w_ptr, rows, cols, row_mask, col_mask, k_start, K, stride_x, stride_w,
                  SEGMENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
-    """The float32 sum over columns k_start .. k_start + SEGMENT - 1 (< K) of x[rows] * w[cols], from zero."""
+                 EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The float32 sum over columns k_start .. k_start + SEGMENT - 1 (< K) of x[rows] * w[cols], from
+    zero. Unrolled (static_range), so that the caller's loop over segments is the one Triton pipelines:
+    the next segment's tiles load while this one's multiply."""
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(k_start, k_start + SEGMENT, BLOCK_K):
-        k_mask = (k + ks) < K
-        a = tl.load(x_ptr + rows[:, None] * stride_x + (k + ks)[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        b = tl.load(w_ptr + cols[None, :] * stride_w + (k + ks)[:, None], mask=col_mask[None, :] & k_mask[:, None],
-                    other=0.0)
+    for step in tl.static_range(0, SEGMENT, BLOCK_K):
+        k = k_start + step + ks
+        x_tile = x_ptr + rows[:, None] * stride_x + k[None, :]
+        w_tile = w_ptr + cols[None, :] * stride_w + k[:, None]
+        if EVEN_K:
+            a = tl.load(x_tile, mask=row_mask[:, None], other=0.0)
+            b = tl.load(w_tile, mask=col_mask[None, :], other=0.0)
+        else:
+            a = tl.load(x_tile, mask=row_mask[:, None] & (k < K)[None, :], other=0.0)
+            b = tl.load(w_tile, mask=col_mask[None, :] & (k < K)[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _chain_sum(x_ptr, w_ptr, rows, cols, row_mask, col_mask, K, stride_x, stride_w, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The float32 sum over all K columns, one tl.dot chain of BLOCK_K steps (one pipelined loop)."""
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        k = k_start + ks
+        x_tile = x_ptr + rows[:, None] * stride_x + k[None, :]
+        w_tile = w_ptr + cols[None, :] * stride_w + k[:, None]
+        if EVEN_K:
+            a = tl.load(x_tile, mask=row_mask[:, None], other=0.0)
+            b = tl.load(w_tile, mask=col_mask[None, :], other=0.0)
+        else:
+            a = tl.load(x_tile, mask=row_mask[:, None] & (k < K)[None, :], other=0.0)
+            b = tl.load(w_tile, mask=col_mask[None, :] & (k < K)[:, None], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     return acc
 
 
 @triton.jit
 def _matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
-                   HAS_BIAS: tl.constexpr, PARTIALS: tl.constexpr, SEGMENT: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, CHAIN: tl.constexpr, PARTIALS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   SEGMENT: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
-    """PARTIALS: program (m, n, segment) writes that segment's float32 sum to out[segment] ([S, M, N]);
+    """CHAIN: program (m, n) sums all of K in one chain (+ bias), writes out [M, N] in its dtype.
+    PARTIALS: program (m, n, segment) writes that segment's float32 sum to out[segment] ([S, M, N]);
     else program (m, n) adds all segments in order (+ bias) and writes out [M, N] in its dtype."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -74,14 +105,18 @@ def _matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w,
     if PARTIALS:
         segment = tl.program_id(2)
         partial = _segment_sum(x_ptr, w_ptr, rows64, cols64, row_mask, col_mask, segment * SEGMENT, K,
-                               stride_x, stride_w, SEGMENT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+                               stride_x, stride_w, SEGMENT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
         target = out_ptr + segment.to(tl.int64) * M * N + rows64[:, None] * N + cols64[None, :]
         tl.store(target, partial, mask=out_mask)
     else:
-        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k_start in range(0, K, SEGMENT):
-            total += _segment_sum(x_ptr, w_ptr, rows64, cols64, row_mask, col_mask, k_start, K, stride_x,
-                                  stride_w, SEGMENT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        if CHAIN:
+            total = _chain_sum(x_ptr, w_ptr, rows64, cols64, row_mask, col_mask, K, stride_x, stride_w, BLOCK_M,
+                               BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
+        else:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k_start in range(0, K, SEGMENT):
+                total += _segment_sum(x_ptr, w_ptr, rows64, cols64, row_mask, col_mask, k_start, K, stride_x,
+                                      stride_w, SEGMENT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
         if HAS_BIAS:
             total += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         target = out_ptr + rows64[:, None] * stride_out + cols64[None, :]
@@ -103,9 +138,19 @@ def _sum_segments_kernel(partials_ptr, bias_ptr, out_ptr, numel, N, num_segments
     tl.store(out_ptr + (offsets // N) * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def block_m_for(m: int) -> int:
-    """The row tile: the smallest of 16, 32, 64, 128 that holds m rows (the reduction does not depend on it)."""
-    return min(128, max(16, triton.next_power_of_2(m)))
+class TileConfig(NamedTuple):
+    """How a launch tiles the product; none of it changes a row's sums (the tests hold it to that)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def tile_config(m: int) -> TileConfig:
+    """The row tile: the smallest of 16, 32, 64, 128 that holds m rows; 8 warps at 128 rows."""
+    block_m = min(128, max(16, triton.next_power_of_2(m)))
+    return TileConfig(block_m, BLOCK_N, 8 if block_m >= 128 else 4, NUM_STAGES)
 
 
 def segment_length(k: int) -> int:
@@ -113,17 +158,27 @@ def segment_length(k: int) -> int:
     return SEGMENT if k % SEGMENT == 0 else k
 
 
-def _block_k(segment: int) -> int:
-    return min(BLOCK_K, max(16, triton.next_power_of_2(segment)))
+def chain_config(m: int, n: int) -> TileConfig:
+    """tile_config, with narrower column tiles where few row tiles would leave most multiprocessors idle."""
+    config = tile_config(m)
+    if triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n) < MIN_PROGRAMS:
+        return config._replace(block_n=64)
+    if m >= 1024:  # prefill sizes: the wide tile of Triton's Hopper matmul tutorial (144 KiB of shared memory)
+        return config._replace(block_n=256)
+    return config
+
+
+def _reduction_constexprs(segment: int, dtype: torch.dtype) -> dict[str, int | bool | str]:
+    """What fixes the order of a row's sums: the segment (K itself for a chain), the k-step, fp32's dot
+    precision."""
+    block_k = min(BLOCK_K, max(16, triton.next_power_of_2(segment)))
+    return dict(SEGMENT=segment, BLOCK_K=block_k, EVEN_K=segment % block_k == 0,
+                DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32")  # ignored for 16-bit operands
 
 
 def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
     rows = x.reshape(-1, k)
     return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # ignored for 16-bit operands
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
@@ -135,7 +190,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
     return n, k
 
 
-def segment_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def segment_partials(x: torch.Tensor, weight: torch.Tensor, config: TileConfig | None = None) -> torch.Tensor:
     """[K / segment, M, N] float32: each segment's sum, from zero (what ranks gather for a row-parallel layer)."""
     n, k = _check(x, weight)
     rows = _rows(x, k)
@@ -143,12 +198,12 @@ def segment_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     segment = segment_length(k)
     partials = torch.empty((k // segment, m, n), dtype=torch.float32, device=x.device)
     if m and n:
-        block_m = block_m_for(m)
-        grid = (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N), k // segment)
+        config = config or tile_config(m)._replace(num_warps=4)
+        grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), k // segment)
         _matmul_kernel[grid](rows, weight, weight, partials, m, n, k, rows.stride(0), weight.stride(0), n,
-                             HAS_BIAS=False, PARTIALS=True, SEGMENT=segment, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-                             BLOCK_K=_block_k(segment), DOT_PRECISION=_dot_precision(x.dtype),
-                             num_warps=4, num_stages=3)
+                             HAS_BIAS=False, CHAIN=False, PARTIALS=True, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                             **_reduction_constexprs(segment, x.dtype), num_warps=config.num_warps,
+                             num_stages=config.num_stages)
     return partials
 
 
@@ -174,31 +229,55 @@ def _output(x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b), batch-invariant (linear.KERNELS["linear"] under --deterministic on GPUs)."""
+           out: torch.Tensor | None = None, config: TileConfig | None = None) -> torch.Tensor:
+    """x W^T (+ b), batch-invariant, each output one tl.dot chain over all of K (linear.KERNELS["linear"]
+    under --deterministic on GPUs: column-parallel layers, whose ranks split N, not K, and the head).
+    config: the tiling (default chain_config(M); the benchmark sweeps it)."""
+    n, k = _check(x, weight)
+    rows = _rows(x, k)
+    m = rows.shape[0]
+    product = _output(x, n, out)
+    config = config or chain_config(m, n)
+    if m and n:
+        _launch_product(rows, weight, bias, product, config, chain=True)
+    return product.view(*x.shape[:-1], n)
+
+
+def segmented_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None, config: TileConfig | None = None) -> torch.Tensor:
+    """x W^T (+ b) summed segment by segment (a row-parallel layer at one rank: the sums of any rank count)."""
     n, k = _check(x, weight)
     rows = _rows(x, k)
     m = rows.shape[0]
     product = _output(x, n, out)
     segment = segment_length(k)
-    block_m = block_m_for(m)
-    programs = triton.cdiv(m, block_m) * triton.cdiv(n, BLOCK_N)
+    config = config or tile_config(m)
+    if config.block_m == 128 and m <= 256 and x.element_size() == 2:  # faster at decode sizes on an H200
+        config = config._replace(block_n=64, num_stages=4)
+    programs = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     if m and n and programs < MIN_PROGRAMS and m <= MAX_SPLIT_ROWS and k > segment:
         sum_segments(segment_partials(rows, weight), bias, product)
     elif m and n:
-        _matmul_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N))](
-            rows, weight, bias if bias is not None else weight, product, m, n, k, rows.stride(0), weight.stride(0),
-            product.stride(0), HAS_BIAS=bias is not None, PARTIALS=False, SEGMENT=segment, BLOCK_M=block_m,
-            BLOCK_N=BLOCK_N, BLOCK_K=_block_k(segment), DOT_PRECISION=_dot_precision(x.dtype),
-            num_warps=8 if block_m >= 128 else 4, num_stages=3)
+        _launch_product(rows, weight, bias, product, config, chain=False)
     return product.view(*x.shape[:-1], n)
+
+
+def _launch_product(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, product: torch.Tensor,
+                    config: TileConfig, chain: bool) -> None:
+    (m, k), n = rows.shape, weight.shape[0]
+    segment = k if chain else segment_length(k)
+    _matmul_kernel[(triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n))](
+        rows, weight, bias if bias is not None else weight, product, m, n, k, rows.stride(0), weight.stride(0),
+        product.stride(0), HAS_BIAS=bias is not None, CHAIN=chain, PARTIALS=False, BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, **_reduction_constexprs(segment, rows.dtype), num_warps=config.num_warps,
+        num_stages=config.num_stages)
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """A row-parallel layer's output (linear.KERNELS["row_linear"]): this rank's segments' partials,
-    gathered from every rank in rank order, added in that order; at one rank, `linear`."""
+    gathered from every rank in rank order, added in that order; at one rank, segmented_linear (the same sums)."""
     if tp_size() == 1:
-        return linear(x, weight, bias)
+        return segmented_linear(x, weight, bias)
     n, k = _check(x, weight)
     if segment_length(k) != SEGMENT:
         raise ValueError(f"--deterministic with tensor parallelism: each rank's input width {k} must be a "
