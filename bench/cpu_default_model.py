@@ -48,11 +48,13 @@ def cell(value: float, decimals: int) -> str:
     return f"{'-' if math.isnan(value) else f'{value:.{decimals}f}':>14}"
 
 
-def ours_engine(path: Path, weight_format: str, new_tokens: int) -> Engine:
+def ours_engine(path: Path, weight_format: str, new_tokens: int, **options: object) -> Engine:
+    """Our offline LLM's measures; options: more of its options."""
     from common import SamplingParams
     from offline import LLM
 
-    llm = LLM(str(path), block_size=16, cpu_kv_cache_bytes=1 << 29, device="cpu", cpu_weight_format=weight_format)
+    llm = LLM(str(path), block_size=16, cpu_kv_cache_bytes=1 << 29, device="cpu", cpu_weight_format=weight_format,
+              **options)
 
     def decode(batch: list[list[int]]) -> float:
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)

@@ -29,9 +29,12 @@ def load_as_rank(path: Path, rank: int, world_size: int, monkeypatch) -> dict[st
     return dict(model.named_parameters())
 
 
-def write_gguf(folder: Path) -> Path:
-    """The qwen3 checkpoint in folder as a GGUF file, projections quantized to Q8_0."""
+def write_gguf(folder: Path, projection_type: int | None = None, vocab_size: int = 0) -> Path:
+    """The qwen3 checkpoint in folder as a GGUF file, projections quantized to projection_type (a
+    GGMLQuantizationType; Q8_0 when None); with vocab_size, a placeholder tokenizer of that many tokens
+    (so that the offline LLM loads the file)."""
     gguf = pytest.importorskip("gguf")
+    qtype = gguf.GGMLQuantizationType.Q8_0 if projection_type is None else projection_type
     from worker_service.loader.gguf_loader import _BLOCK_NAMES, _GLOBAL_NAMES
 
     config = __import__("json").loads((folder / "config.json").read_text())
@@ -46,6 +49,10 @@ def write_gguf(folder: Path) -> Path:
         writer.add_uint32(f"qwen3.{key}", value)
     writer.add_float32("qwen3.attention.layer_norm_rms_epsilon", 1e-6)
     writer.add_float32("qwen3.rope.freq_base", 10000.0)
+    if vocab_size:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list(["a", "b", "ab", *(f"t{i}" for i in range(3, vocab_size))])
+        writer.add_token_merges(["a b"])
     for hf_name, tensor in load_file(folder / "model.safetensors").items():
         name = to_gguf.get(hf_name)
         if name is None:
@@ -54,8 +61,7 @@ def write_gguf(folder: Path) -> Path:
             name = f"blk.{layer}.{next(g for g, h in _BLOCK_NAMES.items() if h == module)}.{suffix}"
         array = tensor.numpy()
         if "proj" in hf_name:
-            writer.add_tensor(name, gguf.quantize(array, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(name, gguf.quantize(array, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, array)
     writer.write_header_to_file()

@@ -19,11 +19,17 @@ _BACKEND_MODULES: dict[str, str] = {
     "torch-sdpa": "worker_service.attention.torch_backend",
     "triton": "worker_service.attention.triton_backend",
     "triton-invariant": "worker_service.attention.triton_invariant",
+    "torch-invariant": "worker_service.attention.torch_invariant",
 }
 # device type -> default backend name; devices not listed fall back to the portable "torch" backend.
 _DEVICE_DEFAULTS: dict[str, str] = {
     "cpu": "torch",
     "cuda": "triton",
+}
+# device type -> default backend name under --deterministic (a batch-invariant one).
+_INVARIANT_DEFAULTS: dict[str, str] = {
+    "cpu": "torch-invariant",
+    "cuda": "triton-invariant",
 }
 _REGISTRY: dict[str, type[AttentionBackend]] = {}
 
@@ -64,8 +70,14 @@ def available_backends() -> list[str]:
     return sorted(set(_BACKEND_MODULES) | set(_REGISTRY))
 
 
-def default_backend_name(device: torch.device, is_quantized: bool = False) -> str:
+def default_backend_name(device: torch.device, is_quantized: bool = False, deterministic: bool = False) -> str:
     """The backend to use on device when the config names none: with quantized (approximate) weights
-    on a CPU, the torch backend's faster prefill attention, which is not bit-identical to transformers'."""
-    name = _DEVICE_DEFAULTS.get(torch.device(device).type, "torch")
+    on a CPU, the torch backend's faster prefill attention, which is not bit-identical to transformers';
+    deterministic: the device's batch-invariant backend."""
+    device_type = torch.device(device).type
+    if deterministic:
+        if device_type not in _INVARIANT_DEFAULTS:
+            raise ValueError(f"deterministic: no batch-invariant attention backend for {device_type}")
+        return _INVARIANT_DEFAULTS[device_type]
+    name = _DEVICE_DEFAULTS.get(device_type, "torch")
     return "torch-sdpa" if name == "torch" and is_quantized else name

@@ -61,6 +61,9 @@ class AttentionBackend(ABC):
     # Whether a prefill's attention may be captured in a CUDA graph: it reads the batch's shape
     # only from metadata tensors, never from host lists or host syncs (max_query_len sizes the grid).
     graphs_prefill: bool = False
+    # Whether a query's output is the same bits whatever else the batch holds, however its sequence's
+    # prompt was chunked and whether its keys came from the prefix cache (what --deterministic needs).
+    batch_invariant: bool = False
 
     @abstractmethod
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

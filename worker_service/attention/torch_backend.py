@@ -43,8 +43,8 @@ class TorchAttentionBackend(AttentionBackend):
                v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """An fp8 cache is read back as float32 (values times their scales), then as any other."""
         if is_fp8(k_cache.dtype):
-            k_cache, v_cache = _Dequantized(k_cache, k_scale), _Dequantized(v_cache, v_scale)
-        query_lens, seq_lens = _host_lengths(metadata)
+            k_cache, v_cache = Dequantized(k_cache, k_scale), Dequantized(v_cache, v_scale)
+        query_lens, seq_lens = host_lengths(metadata)
         if metadata.max_query_len == 1 and q.shape[0] == len(seq_lens):
             return _batched_decode(q, k_cache, v_cache, metadata, seq_lens, scale)
         out = torch.empty_like(q)
@@ -75,8 +75,8 @@ class TorchSdpaAttentionBackend(TorchAttentionBackend):
         return _sdpa_causal_attention(q, k, v, scale)
 
 
-class _Dequantized:
-    """An fp8 cache and its scales, read through _gather_blocks like the cache itself: the gathered
+class Dequantized:
+    """An fp8 cache and its scales, read through gather_blocks like the cache itself: the gathered
     blocks only, not the whole cache, are dequantized (to float32)."""
 
     def __init__(self, cache: torch.Tensor, scales: torch.Tensor) -> None:
@@ -84,7 +84,7 @@ class _Dequantized:
         self.shape = cache.shape
 
 
-def _host_lengths(metadata: AttentionMetadata) -> tuple[list[int], list[int]]:
+def host_lengths(metadata: AttentionMetadata) -> tuple[list[int], list[int]]:
     """Query and context lengths per sequence as Python ints (one sync when the host copies are absent)."""
     query_lens = metadata.query_lens_host
     if query_lens is None:
@@ -99,19 +99,19 @@ def _gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: t
     num_blocks = -(-seq_len // block_size)
     blocks = block_table[:num_blocks].long()
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    k = _gather_blocks(k_cache, blocks).reshape(-1, num_kv_heads, head_dim)[:seq_len]
-    v = _gather_blocks(v_cache, blocks).reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    k = gather_blocks(k_cache, blocks).reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    v = gather_blocks(v_cache, blocks).reshape(-1, num_kv_heads, head_dim)[:seq_len]
     return k, v
 
 
-def _gather_blocks(cache: torch.Tensor | _Dequantized, blocks: torch.Tensor) -> torch.Tensor:
+def gather_blocks(cache: torch.Tensor | Dequantized, blocks: torch.Tensor) -> torch.Tensor:
     """cache[blocks] for block ids of any shape, through index_select: on a CPU several times
     faster than indexing with a tensor (the default model's K of one 1,000-token sequence in blocks
     of 16: 156 -> 31 us; done twice a layer a step)."""
-    if isinstance(cache, _Dequantized):
+    if isinstance(cache, Dequantized):
         # CPU torch cannot index float8 tensors: gather the bits as uint8.
-        values = _gather_blocks(cache.cache.view(torch.uint8), blocks).view(cache.cache.dtype)
-        return dequantize(values, _gather_blocks(cache.scales, blocks))
+        values = gather_blocks(cache.cache.view(torch.uint8), blocks).view(cache.cache.dtype)
+        return dequantize(values, gather_blocks(cache.scales, blocks))
     return torch.index_select(cache, 0, blocks.reshape(-1)).view(*blocks.shape, *cache.shape[1:])
 
 
@@ -126,8 +126,8 @@ def _batched_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     max_len = max(seq_lens)
     num_blocks = -(-max_len // metadata.block_size)
     blocks = metadata.block_tables[:, :num_blocks].long()
-    k = _gather_blocks(k_cache, blocks).reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].float()
-    v = _gather_blocks(v_cache, blocks).reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].float()
+    k = gather_blocks(k_cache, blocks).reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].float()
+    v = gather_blocks(v_cache, blocks).reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].float()
     is_padding = None
     if min(seq_lens) < max_len:
         is_padding = torch.arange(max_len, device=q.device)[None, :] >= torch.tensor(seq_lens, device=q.device)[:, None]

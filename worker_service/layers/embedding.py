@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_service.layers.linear import ShardId, attach_loader, check_shape
+from worker_service.layers.linear import KERNELS, ShardId, attach_loader, check_shape
 from worker_service.parallel.distributed import all_gather_vocab, all_reduce, partial_sum_buffer, tp_rank, tp_size
 
 
@@ -60,7 +60,7 @@ class LMHead(VocabParallelWeight):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = KERNELS["lm_head"](hidden, self.weight)
         if tp_size() == 1 or not gather:
             return logits
         return all_gather_vocab(logits, self.vocab_size)

@@ -12,6 +12,9 @@ their partial outputs over the ranks.
 The products go through `KERNELS["linear"]`: reference_linear (F.linear), or on GPUs (fused_kernels.enable)
 a version that sends decode-sized inputs (few rows) to a Triton kernel that reads the weight at bandwidth.
 A row-parallel product is written where distributed.all_reduce sums it fastest (partial_sum_buffer).
+Row-parallel layers go through `KERNELS["row_linear"]` and the output head through `KERNELS["lm_head"]`,
+so that a deterministic worker (worker_service.invariant.enable) can replace all of them with
+batch-invariant products.
 """
 from __future__ import annotations
 
@@ -61,8 +64,19 @@ def compose_normed_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: 
     return layer(normed), total
 
 
-# The implementations the layers call; fused_kernels.enable() swaps in triton_skinny_matmul's on GPUs.
-KERNELS: dict[str, Callable[..., Any]] = {"linear": reference_linear, "normed_linear": compose_normed_linear}
+def reference_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A row-parallel product (RowLinear): this rank's partial x W^T, summed over the ranks, then the bias."""
+    if tp_size() == 1:
+        return _linear(x, weight, bias)
+    partial = _linear(x, weight, None, partial_sum_buffer((*x.shape[:-1], weight.shape[0]), x))
+    out = all_reduce(partial)
+    return out + bias if bias is not None else out
+
+
+# The implementations the layers call; fused_kernels.enable() swaps in triton_skinny_matmul's on GPUs,
+# worker_service.invariant.enable() batch-invariant ones (--deterministic).
+KERNELS: dict[str, Callable[..., Any]] = {"linear": reference_linear, "normed_linear": compose_normed_linear,
+                                          "row_linear": reference_row_linear, "lm_head": reference_linear}
 
 
 def attach_loader(param: nn.Parameter, loader: WeightLoader, shard_ids: Sequence[ShardId] = (None,)) -> None:
@@ -132,11 +146,7 @@ class RowLinear(LinearBase):
         copy_checked(param.data, loaded.narrow(1, tp_rank() * self.input_size, self.input_size), "weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if tp_size() == 1:
-            return _linear(x, self.weight, self.bias)
-        partial = _linear(x, self.weight, None, partial_sum_buffer((*x.shape[:-1], self.output_size), x))
-        out = all_reduce(partial)
-        return out + self.bias if self.bias is not None else out
+        return KERNELS["row_linear"](x, self.weight, self.bias)
 
 
 class MergedColumnLinear(LinearBase):

@@ -41,11 +41,19 @@ def resolve_cpu_weight_format(name: str, device_type: str, is_gguf: bool, tensor
 
 
 def resolve_weights_and_backend(config: WorkerConfig, device: torch.device) -> tuple[str, AttentionBackend]:
-    """The weight format ("float32" or "int4") of config's model on device, and the attention backend."""
+    """The weight format ("float32" or "int4") of config's model on device, and the attention backend
+    (under config.deterministic a batch-invariant one: auto picks it, and naming another is an error)."""
     weight_format = resolve_cpu_weight_format(config.cpu_weight_format, device.type,
                                               find_gguf_file(Path(config.model)) is not None,
                                               config.tensor_parallel_size)
+    if config.deterministic and device.type == "cpu" and resolve_dtype(config.dtype, device) != torch.float32:
+        raise ValueError(f"dtype: --deterministic on the CPU needs float32 activations, not {config.dtype}")
     backend_name = config.attention_backend
     if backend_name == "auto":
-        backend_name = default_backend_name(device, is_quantized=weight_format != "float32")
-    return weight_format, get_attention_backend(backend_name)
+        backend_name = default_backend_name(device, is_quantized=weight_format != "float32",
+                                            deterministic=config.deterministic)
+    backend = get_attention_backend(backend_name)
+    if config.deterministic and not backend.batch_invariant:
+        raise ValueError(f"attention_backend: {backend_name} is not batch-invariant, which --deterministic needs; "
+                         f"use {default_backend_name(device, deterministic=True)} (or auto)")
+    return weight_format, backend

@@ -5,8 +5,15 @@ bandwidth: 4.5-bit weights read 7x less than float32. torch's `_weight_int4pack_
 int4) and `_weight_int8pack_mm` (per-row int8) are vectorised only for bfloat16 activations, so the
 input is rounded to bfloat16 and the product returned in the model's dtype. Large steps (prefill) are
 compute-bound, where the float32 GEMM of the layer being wrapped is faster: those keep using it.
+
+A deterministic worker (worker_service.invariant.enable) swaps the two choices of KERNELS: every step
+takes the quantized kernels (the float32 layer is another computation, so a row's result would change
+with the size of its step), and the head's exact logits are summed in a fixed order.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,6 +22,21 @@ from worker_service.loader.gguf_int4 import GROUP_SIZE, Int4Groups
 
 # Steps of at most this many tokens use the quantized kernel; larger ones the wrapped float32 layer.
 MAX_QUANTIZED_TOKENS = 16
+
+
+def dense_serves(num_tokens: int, max_quantized_tokens: int) -> bool:
+    """Whether a step of num_tokens rows takes the wrapped float32 layer instead of the quantized kernel."""
+    return num_tokens > max_quantized_tokens
+
+
+def candidate_logits(weight: torch.Tensor, candidates: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """The float32 logits of each token's candidates: [tokens, num_candidates]."""
+    rows = weight[candidates]  # [tokens, num_candidates, hidden]
+    return torch.matmul(rows, hidden[:, :, None]).squeeze(-1)
+
+
+# The choices the layers make; worker_service.invariant.enable() swaps in batch-invariant ones.
+KERNELS: dict[str, Callable[..., Any]] = {"dense_serves": dense_serves, "candidate_logits": candidate_logits}
 
 
 class Int4Linear(nn.Module):
@@ -41,7 +63,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
-        if num_tokens > self.max_quantized_tokens:
+        if KERNELS["dense_serves"](num_tokens, self.max_quantized_tokens):
             return self.dense(x)
         # x = high + low, both bfloat16: 16 mantissa bits of the input instead of 8, in one call (the
         # weights are read once for both halves, and reading them is the cost at these sizes). Written
@@ -83,10 +105,9 @@ class Int8Head(nn.Module):
 
     def forward(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:
         """gather: as LMHead's (one rank only here: nothing to gather)."""
-        if hidden.shape[0] > self.max_quantized_tokens:
+        if KERNELS["dense_serves"](hidden.shape[0], self.max_quantized_tokens):
             return self.dense(hidden)
         logits = torch.ops.aten._weight_int8pack_mm(hidden.to(torch.bfloat16), self.codes, self.scales).to(hidden.dtype)
         candidates = logits.topk(min(self.num_exact, logits.shape[-1]), dim=-1, sorted=False).indices
-        rows = self.dense.weight[candidates]  # [tokens, num_exact, hidden]
-        exact = torch.matmul(rows, hidden[:, :, None]).squeeze(-1)
+        exact = KERNELS["candidate_logits"](self.dense.weight, candidates, hidden)
         return logits.scatter_(-1, candidates, exact)

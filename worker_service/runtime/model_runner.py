@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from common.contract.config import WorkerConfig
+from worker_service import invariant
 from worker_service.attention.base import AttentionMetadata
 from worker_service.attention.kv_quant import kv_cache_torch_dtype
 from worker_service.loader.model_loading import load_checkpoint
@@ -49,6 +50,8 @@ class ModelRunner:
         self.weight_format, self.backend = resolve_weights_and_backend(config, self.device)
         self.model, self.model_config = load_checkpoint(config.model, self.dtype, self.device, self.backend,
                                                         self.weight_format)
+        if config.deterministic:
+            invariant.prepare(self.model)  # the weights' layout for the batch-invariant CPU products
         self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
         init_symmetric_sum(max(config.max_num_batched_tokens, config.max_num_seqs), self.model_config.hidden_size,
                            self.dtype, self.device)

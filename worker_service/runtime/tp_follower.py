@@ -15,6 +15,7 @@ import torch
 
 from common.contract.config import WorkerConfig
 from common.generated.nanovllm.worker.v1 import worker_pb2
+from worker_service import invariant
 from worker_service.layers import fused_kernels
 from worker_service.loader.placement import resolve_device
 from worker_service.parallel import step_channel
@@ -47,6 +48,8 @@ def start_rank(config: WorkerConfig, rank: int, init_address: str, num_threads: 
         torch.cuda.set_device(device)
     init_tensor_parallel(rank, size, init_address, device)
     fused_kernels.enable_for(device, config.enforce_eager)  # process-wide: each rank sets it for itself
+    if config.deterministic:
+        invariant.enable(device)
     return WorkerCore(config)
 
 

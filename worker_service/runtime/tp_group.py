@@ -24,6 +24,8 @@ import torch
 from common.contract.config import WorkerConfig
 from common.generated.nanovllm.worker.v1 import worker_pb2
 from common.net.ports import free_port
+from worker_service import invariant
+from worker_service.invariant import cpu_products
 from worker_service.layers import fused_kernels
 from worker_service.loader.model_loading import read_model_config
 from worker_service.loader.placement import resolve_device
@@ -42,7 +44,10 @@ def create_worker_core(config: WorkerConfig) -> WorkerCore | TensorParallelCore:
     """The worker of config: a WorkerCore, or rank 0 of a tensor-parallel group."""
     if config.tensor_parallel_size > 1:
         return TensorParallelCore(config)  # each rank enables the fused kernels (tp_follower.start_rank)
-    fused_kernels.enable_for(resolve_device(config.device), config.enforce_eager)
+    device = resolve_device(config.device)
+    fused_kernels.enable_for(device, config.enforce_eager)
+    if config.deterministic:
+        invariant.enable(device)
     return WorkerCore(config)
 
 
@@ -62,6 +67,13 @@ def check_tensor_parallel(config: WorkerConfig) -> None:
     if model.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size: intermediate size {model.intermediate_size} does not divide "
                          f"over {size} ranks")
+    if config.deterministic and device.type == "cpu":
+        # The batch-invariant row-parallel product sums whole chunks of inputs (invariant/cpu_products).
+        for what, inputs in (("attention heads x head_dim", model.num_heads * model.head_dim),
+                             ("intermediate size", model.intermediate_size)):
+            if inputs // size % cpu_products.CHUNK:
+                raise ValueError(f"tensor_parallel_size: --deterministic needs each rank's share of the {what} "
+                                 f"({inputs} / {size}) to be a multiple of {cpu_products.CHUNK}")
 
 
 class TensorParallelCore:
