@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session: stages given as arguments, in order (default: tests attention throughput).
-#   tests       GPU tests (Triton kernels, the fused sampler, the whole model against transformers)
+#   tests       GPU tests (Triton kernels, the fused sampler, the whole model against transformers, --deterministic)
 #   profile     bench/profile_decode.py: GPU busy and idle time, the kernels that take it
 #   attention   bench/attention_bench.py
 #   throughput  bench/throughput.py, in-process and through gRPC (random Qwen3-0.6B, bf16)
@@ -77,7 +77,8 @@ echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown) $(date -u
 for s in ${@:-tests attention throughput}; do
   echo "=== $s"
   case $s in
-    tests) timeout 420 python3 -m pytest -q -x -p no:cacheprovider tests/worker_service/test_triton_attention.py \
+    tests) timeout 420 python3 -m pytest -q -x -p no:cacheprovider tests/worker_service/test_triton_invariant.py \
+             tests/worker_service/test_gpu_deterministic.py tests/worker_service/test_triton_attention.py \
              tests/worker_service/test_gpu_model.py tests/worker_service/test_sampler.py \
              tests/worker_service/test_fused_sampling.py tests/worker_service/test_triton_rope_store.py \
              tests/worker_service/test_triton_activation.py tests/worker_service/test_triton_fp8_kv.py \
