@@ -153,6 +153,16 @@ def tile_config(m: int) -> TileConfig:
     return TileConfig(block_m, BLOCK_N, 8 if block_m >= 128 else 4, NUM_STAGES)
 
 
+def segmented_config(m: int, dtype: torch.dtype) -> TileConfig:
+    """tile_config for the segmented kernel, which loads two k-steps a pipeline stage."""
+    config = tile_config(m)
+    if dtype.itemsize > 2:  # float32: 128 x 128 tiles, two steps a stage, would not fit in shared memory
+        return config._replace(block_n=64, num_stages=2)
+    if config.block_m == 128 and m <= 256:  # faster at decode sizes on an H200 (bench/invariant_matmul_bench)
+        return config._replace(block_n=64, num_stages=4)
+    return config
+
+
 def segment_length(k: int) -> int:
     """SEGMENT where K is made of whole segments, else K itself (one segment: tiny test shapes)."""
     return SEGMENT if k % SEGMENT == 0 else k
@@ -163,8 +173,6 @@ def chain_config(m: int, n: int) -> TileConfig:
     config = tile_config(m)
     if triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n) < MIN_PROGRAMS:
         return config._replace(block_n=64)
-    if m >= 1024:  # prefill sizes: the wide tile of Triton's Hopper matmul tutorial (144 KiB of shared memory)
-        return config._replace(block_n=256)
     return config
 
 
@@ -198,7 +206,7 @@ def segment_partials(x: torch.Tensor, weight: torch.Tensor, config: TileConfig |
     segment = segment_length(k)
     partials = torch.empty((k // segment, m, n), dtype=torch.float32, device=x.device)
     if m and n:
-        config = config or tile_config(m)._replace(num_warps=4)
+        config = config or segmented_config(m, x.dtype)._replace(num_warps=4)
         grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), k // segment)
         _matmul_kernel[grid](rows, weight, weight, partials, m, n, k, rows.stride(0), weight.stride(0), n,
                              HAS_BIAS=False, CHAIN=False, PARTIALS=True, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
@@ -251,9 +259,7 @@ def segmented_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     m = rows.shape[0]
     product = _output(x, n, out)
     segment = segment_length(k)
-    config = config or tile_config(m)
-    if config.block_m == 128 and m <= 256 and x.element_size() == 2:  # faster at decode sizes on an H200
-        config = config._replace(block_n=64, num_stages=4)
+    config = config or segmented_config(m, x.dtype)
     programs = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     if m and n and programs < MIN_PROGRAMS and m <= MAX_SPLIT_ROWS and k > segment:
         sum_segments(segment_partials(rows, weight), bias, product)
