@@ -74,10 +74,13 @@ def variants() -> list[Variant]:
                           dict(partial_out_ptr="fp32", partial_lse_ptr="fp32")))
     for fp8 in (False, True):
         result += [
-            Variant(f"prefill fp8={fp8}", _prefill_kernel,
-                    dict(cache, GROUP=2, BLOCK_M=128, BLOCK_Q=64, BLOCK_N=64, DOT_PRECISION="tf32", IS_FP8=fp8),
-                    dict(tables, query_start_loc_ptr="i32", **kv_types[fp8]), ("scale_log2",),
-                    options=dict(num_warps=8, num_stages=3)),
+            *(Variant(f"prefill fp8={fp8} one_pass={one_pass} block_m={block_m}", _prefill_kernel,
+                      dict(cache, GROUP=2, BLOCK_M=block_m, BLOCK_Q=block_m // 2, BLOCK_N=64, DOT_PRECISION="tf32",
+                           IS_FP8=fp8, ONE_PASS=one_pass),
+                      dict(tables, query_start_loc_ptr="i32", **kv_types[fp8]), ("scale_log2",),
+                      options=dict(num_warps=8 if block_m == 128 else 4, num_stages=3))
+              # one_pass (--deterministic) also serves decode batches: 16-row tiles
+              for one_pass, block_m in ((False, 128), (True, 128), (True, 16))),
             Variant(f"store kv fp8={fp8}", _store_kv_kernel, dict(cache, NUM_KV_HEADS=8, BLOCK_HEADS=8, IS_FP8=fp8),
                     {"slot_mapping_ptr": "i64", **kv_types[fp8]}),
         ]
@@ -103,6 +106,7 @@ def variants() -> list[Variant]:
             f"skinny matmul rows={rows} n={n} k={k} norm={norm}", _skinny_matmul_kernel,
             dict(HAS_BIAS=bias, NORM=norm, **_tile_constexprs(config, rows, k)),
             floats=("eps",), options=dict(num_warps=config.num_warps, num_stages=config.num_stages)))
+    result += invariant_product_variants()
     for has_norm, fp8 in ((True, False), (False, False), (True, True)):
         result.append(Variant(
             f"rope+store norms={has_norm} fp8={fp8}", _rope_store_kernel,
@@ -110,6 +114,36 @@ def variants() -> list[Variant]:
                  HAS_K_NORM=has_norm, IS_FP8=fp8),
             dict(positions_ptr="i64", cos_ptr="fp32", sin_ptr="fp32", slot_mapping_ptr="i64", **kv_types[fp8]),
             ("eps",), options=dict(num_warps=4, enable_fp_fusion=False)))
+    return result
+
+
+def invariant_product_variants() -> list[Variant]:
+    """--deterministic's products (invariant/triton_products) as Qwen3-0.6B launches them in bf16: the
+    chain (qkv at decode and prefill sizes), the segmented product one-pass and as partials, their sum."""
+    import torch
+
+    from worker_service.invariant.triton_products import (
+        _matmul_kernel,
+        _reduction_constexprs,
+        _sum_segments_kernel,
+        chain_config,
+        segmented_config,
+    )
+
+    result = []
+    for name, chain, partials, config in (("chain 256 rows", True, False, chain_config(256, 4096)),
+                                          ("chain 4096 rows", True, False, chain_config(4096, 4096)),
+                                          ("segmented 256 rows", False, False, segmented_config(256, torch.bfloat16)),
+                                          ("segment partials 16 rows", False, True,
+                                           segmented_config(16, torch.bfloat16)._replace(num_warps=4))):
+        result.append(Variant(
+            f"invariant product {name}", _matmul_kernel,
+            dict(HAS_BIAS=False, CHAIN=chain, PARTIALS=partials, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                 **_reduction_constexprs(1024 if chain else 128, torch.bfloat16)),
+            {"out_ptr": "fp32"} if partials else {},
+            options=dict(num_warps=config.num_warps, num_stages=config.num_stages)))
+    result.append(Variant("invariant sum of segments", _sum_segments_kernel, dict(HAS_BIAS=False, BLOCK=1024),
+                          {"partials_ptr": "fp32"}, options=dict(num_warps=4)))
     return result
 
 
