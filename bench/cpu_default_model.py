@@ -133,6 +133,18 @@ def llama_cpp_engine(path: Path, new_tokens: int, threads: int, max_prompt: int)
     return {"decode": decode, "prefill": prefill}
 
 
+def default_model_inputs(streams: int) -> tuple[Path, list[list[int]], list[int]]:
+    """The default model's path, `streams` chat prompts (QUESTIONS in turn) and the token ids of real text."""
+    from common.formats.default_model import default_model_path
+    from scheduler_service.api.tokenizer import load_tokenizer
+
+    path = Path(default_model_path())
+    tokenizer = load_tokenizer(str(path))
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+                                             tokenize=True) for i in range(streams)]
+    return path, prompts, tokenizer.encode(TEXT.read_text() * 2)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -146,14 +158,8 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from common.formats.default_model import default_model_path
-    from scheduler_service.api.tokenizer import load_tokenizer
 
-    path = Path(default_model_path())
-    tokenizer = load_tokenizer(str(path))
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
-                                             tokenize=True) for i in range(args.streams)]
-    text_ids = tokenizer.encode(TEXT.read_text() * 2)
+    path, prompts, text_ids = default_model_inputs(args.streams)
     lengths = [int(n) for n in args.prefill.split(",")]
     names = args.engines.split(",")
     engines: dict[str, Engine] = {}

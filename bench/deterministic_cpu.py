@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.cpu_default_model import QUESTIONS, TEXT, best_interleaved, ours_engine  # noqa: E402
+from bench.cpu_default_model import best_interleaved, default_model_inputs, ours_engine  # noqa: E402
 
 
 def main() -> int:
@@ -35,15 +35,10 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from common.formats.default_model import default_model_path
-    from scheduler_service.api.tokenizer import load_tokenizer
     from worker_service import invariant
 
-    path = Path(default_model_path())
-    tokenizer = load_tokenizer(str(path))
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
-                                             tokenize=True) for i in range(args.streams)]
-    text_ids = tokenizer.encode(TEXT.read_text() * 2)[:args.prefill]
+    path, prompts, text_ids = default_model_inputs(args.streams)
+    text_ids = text_ids[:args.prefill]
     cpu = torch.device("cpu")
     engines = {"default": ours_engine(path, args.weight_format, args.new_tokens),
                "deterministic": ours_engine(path, args.weight_format, args.new_tokens, deterministic=True)}

@@ -44,6 +44,18 @@ MAX_SPLIT_ROWS = 64
 
 
 @triton.jit
+def _load_tiles(x_ptr, w_ptr, rows, cols, row_mask, col_mask, k, K, stride_x, stride_w, EVEN_K: tl.constexpr):
+    """x[rows, k] and w[cols, k]^T, zero outside the matrices (K's edge only when not EVEN_K)."""
+    x_tile = x_ptr + rows[:, None] * stride_x + k[None, :]
+    w_tile = w_ptr + cols[None, :] * stride_w + k[:, None]
+    if EVEN_K:
+        return (tl.load(x_tile, mask=row_mask[:, None], other=0.0),
+                tl.load(w_tile, mask=col_mask[None, :], other=0.0))
+    return (tl.load(x_tile, mask=row_mask[:, None] & (k < K)[None, :], other=0.0),
+            tl.load(w_tile, mask=col_mask[None, :] & (k < K)[:, None], other=0.0))
+
+
+@triton.jit
 def _segment_sum(x_ptr, w_ptr, rows, cols, row_mask, col_mask, k_start, K, stride_x, stride_w,
                  SEGMENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -53,15 +65,8 @@ def _segment_sum(x_ptr, w_ptr, rows, cols, row_mask, col_mask, k_start, K, strid
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for step in tl.static_range(0, SEGMENT, BLOCK_K):
-        k = k_start + step + ks
-        x_tile = x_ptr + rows[:, None] * stride_x + k[None, :]
-        w_tile = w_ptr + cols[None, :] * stride_w + k[:, None]
-        if EVEN_K:
-            a = tl.load(x_tile, mask=row_mask[:, None], other=0.0)
-            b = tl.load(w_tile, mask=col_mask[None, :], other=0.0)
-        else:
-            a = tl.load(x_tile, mask=row_mask[:, None] & (k < K)[None, :], other=0.0)
-            b = tl.load(w_tile, mask=col_mask[None, :] & (k < K)[:, None], other=0.0)
+        a, b = _load_tiles(x_ptr, w_ptr, rows, cols, row_mask, col_mask, k_start + step + ks, K, stride_x, stride_w,
+                           EVEN_K)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     return acc
 
@@ -73,15 +78,7 @@ def _chain_sum(x_ptr, w_ptr, rows, cols, row_mask, col_mask, K, stride_x, stride
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k_start in range(0, K, BLOCK_K):
-        k = k_start + ks
-        x_tile = x_ptr + rows[:, None] * stride_x + k[None, :]
-        w_tile = w_ptr + cols[None, :] * stride_w + k[:, None]
-        if EVEN_K:
-            a = tl.load(x_tile, mask=row_mask[:, None], other=0.0)
-            b = tl.load(w_tile, mask=col_mask[None, :], other=0.0)
-        else:
-            a = tl.load(x_tile, mask=row_mask[:, None] & (k < K)[None, :], other=0.0)
-            b = tl.load(w_tile, mask=col_mask[None, :] & (k < K)[:, None], other=0.0)
+        a, b = _load_tiles(x_ptr, w_ptr, rows, cols, row_mask, col_mask, k_start + ks, K, stride_x, stride_w, EVEN_K)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     return acc
 
