@@ -5,6 +5,7 @@ heads, head_dim 128, bf16), against torch SDPA on contiguous tensors holding the
     python bench/attention_bench.py --sweep    # also sweeps kernel tile sizes, warps, stages, splits
     python bench/attention_bench.py --decode-sweep 256:1024   # only the decode sweep, at these shapes
     python bench/attention_bench.py --kv-cache-dtype fp8 --decode-only   # decode over an FP8 cache
+    python bench/attention_bench.py --random-lengths   # 256 sequences of 100-2047 tokens, bf16 and fp8 caches
 
 Decode: batch sizes 1, 8, 64, 256 x contexts 512, 1024, 4096 (every sequence at that context),
 block sizes 256 and 16; reports the achieved K+V read bandwidth (bytes of K and V read / median time)
@@ -171,6 +172,42 @@ def decode_rows(block_size: int, batch: int, context: int, device: torch.device,
     return rows
 
 
+def random_length_rows(device: torch.device, num_seqs: int = 256, lengths: tuple[int, int] = (100, 2047),
+                       block_size: int = 256, seed: int = 0) -> list[Row]:
+    """Decode at the reference workload's spread of contexts (num_seqs sequences of uniformly random
+    lengths): the bf16 cache, and an fp8 cache through each fp8 kernel (triton_decode.FP8_DECODE_KERNEL's
+    choices). Bytes: each sequence's own K and V (fp8: values and scales); the error is against SDPA
+    with each sequence's padding masked."""
+    generator = torch.Generator().manual_seed(seed)
+    seq_lens_list = torch.randint(lengths[0], lengths[1] + 1, (num_seqs,), generator=generator)
+    context = int(seq_lens_list.max())
+    k = torch.randn(num_seqs, context, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    v = torch.randn_like(k)
+    q = torch.randn(num_seqs, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    k_cache, v_cache, tables = paged_copy(k, v, block_size)
+    seq_lens = seq_lens_list.to(torch.int32).to(device)
+    mask = (torch.arange(context, device=device)[None, :] < seq_lens[:, None].long())[:, None, None, :]
+    splits = choose_num_splits(num_seqs, NUM_KV_HEADS, context, device)
+    workspace = torch.empty(num_seqs * NUM_HEADS * splits * (HEAD_DIM + 1), dtype=torch.float32, device=device)
+    out = torch.empty_like(q)
+    tokens = int(seq_lens_list.sum())
+    fp8_k, fp8_v, scales, k_seen, v_seen = fp8_caches(k_cache, v_cache, tables, context)
+    cases = [("bf16", k_cache, v_cache, {}, k, v, 2 * HEAD_DIM * 2)]
+    cases.append(("fp8", fp8_k, fp8_v, scales, k_seen, v_seen, 2 * (HEAD_DIM + 4)))
+    rows = []
+    for name, keys, values, scale_args, k_ref, v_ref, bytes_per_head in cases:
+        def run(keys=keys, values=values, scale_args=scale_args) -> torch.Tensor:
+            return paged_decode(q, keys, values, tables, seq_lens, SCALE, splits, workspace, out, **scale_args)
+
+        reference = F.scaled_dot_product_attention(q[:, :, None], k_ref.transpose(1, 2), v_ref.transpose(1, 2),
+                                                   attn_mask=mask, scale=SCALE, enable_gqa=True)[:, :, 0]
+        error = relative_error(run(), reference)
+        ms = bench_ms(run)
+        rows.append(Row(f"rand-{name}", block_size, num_seqs, context, splits, ms * 1e3,
+                        tokens * NUM_KV_HEADS * bytes_per_head / ms / 1e6, "GB/s", error))
+    return rows
+
+
 def prefill_rows(num_seqs: int, query_len: int, block_size: int, device: torch.device,
                  **config: int) -> list[Row]:
     k = torch.randn(num_seqs, query_len, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
@@ -276,6 +313,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="the decode rows' cache: the model dtype (bf16) or e4m3 with scales")
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill rows")
+    parser.add_argument("--random-lengths", action="store_true",
+                        help="only 256 sequences of random lengths 100-2047, bf16 and fp8 caches")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
@@ -288,6 +327,10 @@ def main() -> None:
             sweep_decode(256, batch, context, device, args.kv_cache_dtype == "fp8")
         return
     print(HEADER, flush=True)
+    if args.random_lengths:
+        for row in random_length_rows(device):
+            print(row.line(), flush=True)
+        return
     rows: list[Row] = []
     for block_size in (256, 16):
         for batch in (1, 8, 64, 256):

@@ -17,6 +17,9 @@
 #   latency     bench/single_stream.py (one stream in-process, profiled), then single-stream points through gRPC
 #               (the default flags, then --decode-step-ms 0: a fixed 4 iterations a step; /metrics after each)
 #   load        bench/serving.py at Poisson rates 8 and 16 (reference workload), the same two schedulers
+#   moe         random Qwen3-30B-A3B (drawn in memory): the fused expert kernels against their floor
+#               (bench/moe_bench.py --sweep), the reference workload in-process with one stream's ITL
+#   moe-grpc    the same model behind `nanovllm worker` + `nanovllm scheduler`: one stream through gRPC
 # Logs go to $OUT (or ./out). Expects a CUDA machine with torch, triton, transformers; carried
 # wheels in .whl (grpcio 1.85, health checking, reflection) are installed first if present.
 set -uo pipefail
@@ -27,10 +30,12 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
-start_services() {  # a worker and a scheduler on the random Qwen3-0.6B; extra scheduler flags as arguments
-  model=/tmp/nanovllm-bench/random-qwen3-0.6b wport=50161 port=50151 mport=50191
+start_services() {  # a worker and a scheduler on $SERVICE_MODEL (random Qwen3-0.6B); extra scheduler flags as arguments
+  name=${SERVICE_MODEL:-random-qwen3-0.6b} model=/tmp/nanovllm-bench/${SERVICE_MODEL:-random-qwen3-0.6b}
+  wport=50161 port=50151 mport=50191
   NANOVLLM_WORKER_SECRET=$(python3 -c "import secrets; print(secrets.token_hex(16))"); export NANOVLLM_WORKER_SECRET
-  python3 -c "from pathlib import Path; from bench.random_checkpoint import make_random_checkpoint as m; m(Path('$model'))"
+  python3 -c "from pathlib import Path; from bench.random_checkpoint import random_model_folder as m
+m(Path('/tmp/nanovllm-bench'), '$name')"
   python3 -m launch.cli --log-level WARNING worker --model "$model" --port $wport >"$OUT/serving-worker.log" 2>&1 &
   worker=$!
   python3 -m launch.cli --log-level WARNING scheduler --worker 127.0.0.1:$wport --port $port --metrics-port $mport \
@@ -107,6 +112,14 @@ for s in ${@:-tests attention throughput}; do
              2>&1 | tee "$OUT/hf.log" | tail -25 ;;
     serving) serving_stage ;;
     latency) latency_stage ;;
+    moe) timeout 200 python3 bench/moe_bench.py --sweep 2>&1 | tee "$OUT/moe-kernel.log" | tail -60
+         timeout 420 python3 bench/throughput.py --model random-qwen3-30b-a3b --modes inprocess --hf-num-seqs 0 \
+           --itl-tokens 256 --json-out "$OUT/moe-inprocess.json" 2>&1 | tee "$OUT/moe-inprocess.log" | tail -12 ;;
+    moe-grpc) SERVICE_MODEL=random-qwen3-30b-a3b start_services
+         timeout 500 python3 bench/serving.py --target 127.0.0.1:$port --request-rates "" --num-warmup 4 \
+           --single-stream-prompt-lens 512 --json-out "$OUT/moe-single-stream.json" 2>&1 \
+           | tee "$OUT/moe-single-stream.log" | tail -12
+         kill $scheduler $worker; wait ;;
     load) step_length_ab load --request-rates 8,16 --single-stream-prompt-lens "" ;;
     *) echo "unknown stage $s" ;;
   esac

@@ -1,6 +1,7 @@
 """A randomly initialised checkpoint of Qwen3-0.6B's (or Qwen3-8B's) shapes (config.json +
 safetensors, bf16), for speed measurements where no weights can be downloaded: with EOS ignored
-the work is the same."""
+the work is the same. Qwen3-30B-A3B's is a random checkpoint the worker draws in memory
+(worker_service/loader/random_weights): `random_model_folder` picks the kind by name."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from worker_service.loader.random_weights import hf_tensor_shapes, write_random_checkpoint
+from worker_service.models.config import ModelConfig
 
 QWEN3_0_6B = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024,
@@ -21,31 +25,26 @@ QWEN3_8B = QWEN3_0_6B | {
     "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
     "num_key_value_heads": 8, "tie_word_embeddings": False,
 }
-RANDOM_MODELS = {"random-qwen3-0.6b": QWEN3_0_6B, "random-qwen3-8b": QWEN3_8B}
+# Qwen3-30B-A3B's shapes (its public config): 48 layers of 128 experts (8 active) of intermediate 768,
+# 30.5 B parameters, 61 GB in bf16. Drawn in memory on the device (random_weights), not written.
+QWEN3_30B_A3B = QWEN3_0_6B | {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+    "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "tie_word_embeddings": False, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+}
+RANDOM_MODELS = {"random-qwen3-0.6b": QWEN3_0_6B, "random-qwen3-8b": QWEN3_8B, "random-qwen3-30b-a3b": QWEN3_30B_A3B}
+IN_MEMORY = {"random-qwen3-30b-a3b"}  # too large to write in a benchmark's time: drawn where loaded
 
 
-def qwen3_tensors(config: dict, std: float = 0.02) -> dict[str, tuple[int, ...]]:
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
-    shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden), "model.norm.weight": (hidden,)}
-    if not config["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (config["vocab_size"], hidden)
-    for layer in range(config["num_hidden_layers"]):
-        prefix = f"model.layers.{layer}"
-        shapes |= {
-            f"{prefix}.self_attn.q_proj.weight": (heads * head_dim, hidden),
-            f"{prefix}.self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
-            f"{prefix}.self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
-            f"{prefix}.self_attn.o_proj.weight": (hidden, heads * head_dim),
-            f"{prefix}.self_attn.q_norm.weight": (head_dim,),
-            f"{prefix}.self_attn.k_norm.weight": (head_dim,),
-            f"{prefix}.mlp.gate_proj.weight": (inter, hidden),
-            f"{prefix}.mlp.up_proj.weight": (inter, hidden),
-            f"{prefix}.mlp.down_proj.weight": (hidden, inter),
-            f"{prefix}.input_layernorm.weight": (hidden,),
-            f"{prefix}.post_attention_layernorm.weight": (hidden,),
-        }
-    return shapes
+def random_model_folder(work_dir: Path, name: str) -> Path:
+    """The checkpoint folder of RANDOM_MODELS[name] under work_dir, made once."""
+    if name in IN_MEMORY:
+        folder = work_dir / name
+        if not (folder / "config.json").exists():
+            write_random_checkpoint(folder, RANDOM_MODELS[name])
+        return folder
+    return make_random_checkpoint(work_dir / name, RANDOM_MODELS[name])
 
 
 def make_random_checkpoint(folder: Path, config: dict | None = None, seed: int = 0) -> Path:
@@ -59,7 +58,7 @@ def make_random_checkpoint(folder: Path, config: dict | None = None, seed: int =
     generator = torch.Generator(device).manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     num_files, file_bytes = 0, 0
-    names = list(qwen3_tensors(config).items())
+    names = list(hf_tensor_shapes(ModelConfig.from_hf_dict(config)).items())
     for index, (name, shape) in enumerate(names):
         if len(shape) == 1:  # norm weights
             tensors[name] = torch.ones(shape, dtype=torch.bfloat16)

@@ -30,9 +30,10 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from bench.memory_floor import decode_floor_seconds  # noqa: E402
 from bench.workload import bench_workload  # noqa: E402
+from worker_service.models.config import ModelConfig  # noqa: E402
 
-KV_BYTES_PER_TOKEN_QWEN3_0_6B = 28 * 8 * 128 * 2 * 2
 RESULT_PREFIX = "RESULT "
 
 
@@ -71,11 +72,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def resolve_model(args: argparse.Namespace) -> str:
-    from bench.random_checkpoint import RANDOM_MODELS, make_random_checkpoint
+    from bench.random_checkpoint import RANDOM_MODELS, random_model_folder
 
     if args.model not in RANDOM_MODELS:
         return args.model
-    return str(make_random_checkpoint(Path(args.work_dir) / args.model, RANDOM_MODELS[args.model]))
+    return str(random_model_folder(Path(args.work_dir), args.model))
 
 
 def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[int]]:
@@ -293,13 +294,12 @@ def measure_copy_bandwidth() -> float | None:
     return 10 * 2 * source.numel() * 4 / (start.elapsed_time(end) / 1e3)
 
 
-def bandwidth_floor_seconds(args: argparse.Namespace, bandwidth: float, weight_bytes: float) -> float:
-    """The memory floor of the decode phase: every step reads the weights and each running
-    sequence's K/V once (Qwen3-0.6B shapes)."""
+def bandwidth_floor_seconds(args: argparse.Namespace, model: str, bandwidth: float) -> float:
+    """The memory floor of the decode phase (bench/memory_floor): every iteration reads the weights
+    (of a MoE, the experts its batch touches) and each running sequence's K/V once."""
     prompts, max_tokens = workload(args)
-    kv_bytes = sum(len(p) * m + m * (m + 1) / 2 for p, m in zip(prompts, max_tokens, strict=True))
-    kv_bytes *= KV_BYTES_PER_TOKEN_QWEN3_0_6B / (2 if args.kv_cache_dtype == "fp8" else 1)
-    return (kv_bytes + weight_bytes * max(max_tokens)) / bandwidth
+    config = ModelConfig.from_hf_folder(model)
+    return decode_floor_seconds(config, [len(p) for p in prompts], max_tokens, bandwidth, args.kv_cache_dtype == "fp8")
 
 
 def run_mode_in_subprocess(args: argparse.Namespace, mode: str, argv: list[str]) -> dict | None:
@@ -317,7 +317,7 @@ def tok_s(entry: dict | None) -> float | None:
     return entry["output_tokens"] / entry["seconds"] if entry else None
 
 
-def report(args: argparse.Namespace, results: dict, bandwidth: float | None) -> None:
+def report(args: argparse.Namespace, model: str, results: dict, bandwidth: float | None) -> None:
     rows = []
     for mode in ("inprocess", "grpc", "grpc-no-metrics", "vllm-grpc"):
         if results.get(mode):
@@ -350,8 +350,8 @@ def report(args: argparse.Namespace, results: dict, bandwidth: float | None) -> 
     if inproc and results.get("hf") and "hf_slice" in inproc:
         print(f"ours / transformers CB (first {args.hf_num_seqs}): "
               f"{tok_s(inproc['hf_slice']) / tok_s(results['hf']['hf_slice']):.1f}x")
-    if bandwidth and inproc and args.model == "random-qwen3-0.6b":
-        floor = bandwidth_floor_seconds(args, bandwidth, weight_bytes=1.19e9)
+    if bandwidth and inproc and (Path(model) / "config.json").exists():
+        floor = bandwidth_floor_seconds(args, model, bandwidth)
         print(f"measured copy bandwidth {bandwidth / 1e12:.2f} TB/s; decode memory floor {floor:.2f} s; "
               f"in-process reaches {floor / inproc['all']['seconds']:.2f} of the bandwidth ceiling")
 
@@ -371,7 +371,7 @@ def main() -> int:
     results["copy_bandwidth_bytes_per_s"] = bandwidth
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
-    report(args, results, bandwidth)
+    report(args, model, results, bandwidth)
     return 0
 
 

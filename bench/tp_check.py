@@ -113,11 +113,11 @@ def main() -> int:
     parser.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "nanovllm-bench"))
     parser.add_argument("--json-out")
     args = parser.parse_args()
-    from bench.random_checkpoint import RANDOM_MODELS, make_random_checkpoint
+    from bench.random_checkpoint import RANDOM_MODELS, random_model_folder
 
     model = args.model
     if model in RANDOM_MODELS:
-        model = str(make_random_checkpoint(Path(args.work_dir) / model, RANDOM_MODELS[model]))
+        model = str(random_model_folder(Path(args.work_dir), model))
     vocab_size = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     batch = prompts(vocab_size)
     results: dict = {}

@@ -11,6 +11,7 @@ _ARCH_TO_CLASSES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 
 
@@ -31,17 +32,35 @@ def make_tiny_checkpoint(
     max_position_embeddings: int = 256,
     max_shard_size: int | str | None = None,
     seed: int = 0,
+    num_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 32,
+    norm_topk_prob: bool = True,
+    decoder_sparse_step: int = 1,
+    mlp_only_layers: tuple[int, ...] = (),
+    save_original_format: bool = True,
 ) -> Path:
-    """Saves a randomly initialised HF model of arch ("qwen3", "llama", "qwen2") to tmp_path/arch and
-    returns the folder. rope_scaling is HF's dict without rope_theta, e.g. {"rope_type": "linear",
-    "factor": 2.0}; max_shard_size splits the safetensors into shards with an index json.
+    """Saves a randomly initialised HF model of arch ("qwen3", "llama", "qwen2", "qwen3_moe") to
+    tmp_path/arch and returns the folder. rope_scaling is HF's dict without rope_theta, e.g.
+    {"rope_type": "linear", "factor": 2.0}; max_shard_size splits the safetensors into shards with an
+    index json.
 
     Weights are redrawn at a larger scale than HF's init (std 0.02), and norm weights and biases
     are made non-trivial, so that attention is sharp and a wrongly loaded tensor changes the logits.
+
+    qwen3_moe only: the expert and routing fields (HF's names); save_original_format=False writes
+    transformers' fused expert stacks instead of the per-expert tensors of Hub checkpoints. The
+    router is drawn wider than the other weights so that routing is decided (no near-ties between a
+    token's k-th and k+1-th expert) and each layer uses several experts, some of them rarely.
     """
     import transformers
 
     config_name, model_name = _ARCH_TO_CLASSES[arch]
+    moe: dict[str, Any] = {}
+    if arch == "qwen3_moe":
+        moe = dict(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+                   moe_intermediate_size=moe_intermediate_size, norm_topk_prob=norm_topk_prob,
+                   decoder_sparse_step=decoder_sparse_step, mlp_only_layers=list(mlp_only_layers))
     config = getattr(transformers, config_name)(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -56,14 +75,20 @@ def make_tiny_checkpoint(
         rms_norm_eps=1e-6,
         eos_token_id=vocab_size - 1,
         bos_token_id=0,
+        **moe,
     )
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).to(torch.float32)
     _randomise(model, seed)
     folder = Path(tmp_path) / arch
     kwargs: dict[str, Any] = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    if not save_original_format:
+        kwargs["save_original_format"] = False
     model.save_pretrained(folder, **kwargs)
     return folder
+
+
+_ROUTER_SCALE = 3.0
 
 
 def _randomise(model: torch.nn.Module, seed: int) -> None:
@@ -77,8 +102,10 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(0.2 * noise)
             elif "embed_tokens" in name:
                 param.copy_(noise)
-            else:
-                param.copy_(noise / param.shape[1] ** 0.5)
+            elif name.endswith("mlp.gate.weight"):  # a MoE router: see make_tiny_checkpoint
+                param.copy_(_ROUTER_SCALE * noise / param.shape[-1] ** 0.5)
+            else:  # matrices [out, in] and stacks of experts [experts, out, in]
+                param.copy_(noise / param.shape[-1] ** 0.5)
 
 
 CORPUS = [

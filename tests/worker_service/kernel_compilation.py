@@ -107,6 +107,7 @@ def variants() -> list[Variant]:
             dict(HAS_BIAS=bias, NORM=norm, **_tile_constexprs(config, rows, k)),
             floats=("eps",), options=dict(num_warps=config.num_warps, num_stages=config.num_stages)))
     result += invariant_product_variants()
+    result += moe_variants()
     for has_norm, fp8 in ((True, False), (False, False), (True, True)):
         result.append(Variant(
             f"rope+store norms={has_norm} fp8={fp8}", _rope_store_kernel,
@@ -114,6 +115,36 @@ def variants() -> list[Variant]:
                  HAS_K_NORM=has_norm, IS_FP8=fp8),
             dict(positions_ptr="i64", cos_ptr="fp32", sin_ptr="fp32", slot_mapping_ptr="i64", **kv_types[fp8]),
             ("eps",), options=dict(num_warps=4, enable_fp_fusion=False)))
+    return result
+
+
+def moe_variants() -> list[Variant]:
+    """The fused expert kernels (layers/triton_moe) at Qwen3-30B-A3B's 128 experts in bf16: the align
+    kernel, and both grouped products under every configuration moe_config picks and --deterministic's."""
+    from worker_service.layers.triton_moe import (
+        ALIGN_CHUNK,
+        BLOCKS_CHUNK,
+        COMBINE_BLOCK,
+        INVARIANT_CONFIG,
+        _align_kernel,
+        _combine_kernel,
+        _grouped_kernel,
+        moe_config,
+    )
+
+    ints = {"ids_ptr": "i64", "sorted_ptr": "i32", "block_experts_ptr": "i32", "cursor_ptr": "i32"}
+    result = [Variant("moe align", _align_kernel, dict(BLOCK_M=16, NUM_BINS=256, CHUNK=ALIGN_CHUNK,
+                                                       BLOCKS_CHUNK=BLOCKS_CHUNK), ints, options=dict(num_warps=8)),
+              Variant("moe combine", _combine_kernel, dict(TOP_K=8, BLOCK=COMBINE_BLOCK), {"ids_ptr": "i64"})]
+    configs = {moe_config(entries, 128) for entries in (8, 2048, 8192, 32768)} | {INVARIANT_CONFIG}
+    for config in sorted(configs):
+        for gate_up in (True, False):
+            result.append(Variant(
+                f"moe grouped gate_up={gate_up} {config}", _grouped_kernel,
+                dict(TOP_K=8, GATE_UP=gate_up, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                     BLOCK_K=config.block_k, DOT_PRECISION="tf32"),
+                {"sorted_ptr": "i32", "block_experts_ptr": "i32", "weights_ptr": "fp32"},
+                options=dict(num_warps=config.num_warps, num_stages=config.num_stages)))
     return result
 
 

@@ -1,5 +1,5 @@
 """The whole model on a GPU (Triton attention, CUDA graphs) against transformers on tiny random
-checkpoints: greedy token-exact in float32; in bfloat16, teacher-forced logits within 2e-2
+checkpoints (dense, and a mixture of experts): greedy token-exact in float32; in bfloat16, teacher-forced logits within 2e-2
 relative error and top-1 agreement on at least 99 % of positions, through prefill and through
 graph-replayed decode steps."""
 from __future__ import annotations
@@ -23,6 +23,9 @@ MODELS = {
     "qwen3-d128-gqa2": dict(arch="qwen3", num_heads=4, num_kv_heads=2, head_dim=128, hidden_size=256, tie=True),
     "llama-d64-mha": dict(arch="llama", num_heads=4, num_kv_heads=4, head_dim=64, hidden_size=256, tie=True),
     "llama-d128-gqa4": dict(arch="llama", num_heads=8, num_kv_heads=2, head_dim=128, hidden_size=512, tie=True),
+    # The fused expert kernels (layers/triton_moe) in eager steps and inside the decode and prefill graphs.
+    "qwen3moe-e16-top4": dict(arch="qwen3_moe", num_heads=8, num_kv_heads=2, head_dim=64, hidden_size=256, tie=True,
+                              num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128),
 }
 NUM_NEW_TOKENS = 64
 

@@ -122,6 +122,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "llama-rope-linear": dict(arch="llama", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64,
                               rope_scaling={"rope_type": "linear", "factor": 2.0}),
     "qwen2-bias": dict(arch="qwen2", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64, tie=True),
+    # sparse layers 0 and 2 (top-2 of 8 experts), dense layer 1
+    "qwen3_moe-mixed": dict(arch="qwen3_moe", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64,
+                            num_layers=3, mlp_only_layers=(1,)),
 }
 
 

@@ -8,6 +8,9 @@ kernels and CUDA tensors to `triton_products` (imported at the first CUDA call).
 
 - the products (linear.KERNELS linear, normed_linear, row_linear, lm_head): BLAS libraries choose how to
   split and order a row's sum by the shape of the call (cpu_products, triton_products);
+- a mixture of experts' experts on GPUs (layers.moe.KERNELS): the fused kernels with one block
+  configuration for every batch (triton_moe.INVARIANT_CONFIG); on the CPU the reference loop is invariant
+  through the products it calls;
 - SiLU on the CPU: torch's vectorised silu rounds the tail of each stretch differently (cpu_activation);
 - the int4 CPU path (quantized_cpu.KERNELS): every step through the int4 and int8 kernels (their
   results were row-invariant at every row count measured), never the float32 layers that serve large
@@ -36,7 +39,7 @@ import torch
 
 from worker_service.invariant import cpu_activation, cpu_products
 from worker_service.invariant.cpu_layout import prepare
-from worker_service.layers import activation, linear
+from worker_service.layers import activation, linear, moe
 from worker_service.loader import quantized_cpu
 
 __all__ = ["disable", "enable", "is_enabled", "prepare"]
@@ -60,6 +63,7 @@ def enable(device: torch.device) -> None:
     gpu_silu = activation.KERNELS["silu_and_mul"]  # elementwise on GPUs: already invariant
     _swap(activation.KERNELS, "silu_and_mul",
           lambda x: gpu_silu(x) if x.is_cuda else cpu_activation.silu_and_mul(x))
+    _swap(moe.KERNELS, "experts", _experts)
     _swap(quantized_cpu.KERNELS, "dense_serves", _never)
     _swap(quantized_cpu.KERNELS, "candidate_logits", cpu_products.candidate_logits)
     logger.info("deterministic: batch-invariant kernels enabled")
@@ -95,6 +99,16 @@ def _by_device(cpu: Callable[..., Any], cuda_name: str) -> Callable[..., Any]:
         return cpu(x, *args)
 
     return kernel
+
+
+def _experts(x: torch.Tensor, *args: Any) -> torch.Tensor:
+    """moe.KERNELS["experts"] under --deterministic: one block configuration on GPUs, the reference loop
+    (over the invariant products) on the CPU."""
+    if not x.is_cuda:
+        return moe.reference_experts(x, *args)
+    from worker_service.layers.triton_moe import invariant_experts  # GPUs only
+
+    return invariant_experts(x, *args)
 
 
 def _triton_products() -> ModuleType:

@@ -1,10 +1,11 @@
-"""Model building blocks (norms, rotary embedding, fused linears, embeddings). The linears and the
+"""Model building blocks (norms, rotary embedding, fused linears, embeddings, the MoE block). The linears and the
 embedding/head apply tensor parallelism themselves (worker_service.parallel.distributed says the rank), so
 the models read the same at any rank count."""
 
 from worker_service.layers.activation import SiluAndMul
 from worker_service.layers.embedding import LMHead, VocabEmbedding
 from worker_service.layers.linear import LinearBase, MergedColumnLinear, QKVLinear, RowLinear, normed_linear
+from worker_service.layers.moe import SparseMoeBlock
 from worker_service.layers.norm import RMSNorm
 from worker_service.layers.rotary import RotaryEmbedding
 
@@ -17,6 +18,7 @@ __all__ = [
     "RowLinear",
     "RotaryEmbedding",
     "SiluAndMul",
+    "SparseMoeBlock",
     "VocabEmbedding",
     "normed_linear",
 ]

@@ -1,13 +1,14 @@
 """Fused elementwise kernels on GPUs, instead of the five to ten small kernels each takes eagerly (in a
 decode step those small kernels, not bandwidth, would dominate): RMSNorm (with its residual add) and
-SiLU-and-mul as hand-written Triton kernels, rotary embedding (for the torch attention backend)
-compiled by torch.compile. Hand-written where the host time of a call counts: Inductor's
-dynamic-shape SiLU took 5.1 us per decode call on an H200, and a compiled norm costs ~190 us of host
-time per call outside CUDA graphs (dynamo's guards and wrappers), a third of a prefill's. The eager
-versions stay the reference; CPUs take the fewer-op eager ones of cpu_kernels (`enable_for` chooses
-by device). Linear layers of at most 16 rows in 16-bit dtypes go to a Triton matrix-vector kernel
-(triton_skinny_matmul), others stay on cuBLAS; there the norm before a column-parallel projection
-runs in that kernel too. The Triton kernels (attention, sampling) size their grids by num_sms."""
+SiLU-and-mul as hand-written Triton kernels, a mixture of experts' experts as grouped products
+(triton_moe), rotary embedding (for the torch attention backend) compiled by torch.compile. Hand-written
+where the host time of a call counts: Inductor's dynamic-shape SiLU took 5.1 us per decode call on an
+H200, and a compiled norm costs ~190 us of host time per call outside CUDA graphs (dynamo's guards and
+wrappers), a third of a prefill's. The eager versions stay the reference; CPUs take the fewer-op eager
+ones of cpu_kernels (`enable_for` chooses by device). Linear layers of at most 16 rows in 16-bit dtypes
+go to a Triton matrix-vector kernel (triton_skinny_matmul), others stay on cuBLAS; there the norm before
+a column-parallel projection runs in that kernel too. The Triton kernels (attention, sampling) size
+their grids by num_sms."""
 from __future__ import annotations
 
 import functools
@@ -16,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from worker_service.layers import activation, cpu_kernels, linear, norm, rotary
+from worker_service.layers import activation, cpu_kernels, linear, moe, norm, rotary
 
 logger = logging.getLogger(__name__)
 _enabled = False
@@ -42,13 +43,14 @@ def enable() -> None:
     # each model's constants): raise dynamo's default limit of 8 so that none falls back to eager.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compile_ = lambda fn: torch.compile(fn, dynamic=True, fullgraph=True)  # noqa: E731
-    from worker_service.layers import triton_activation, triton_norm, triton_skinny_matmul  # GPUs only
+    from worker_service.layers import triton_activation, triton_moe, triton_norm, triton_skinny_matmul  # GPUs only
 
     rotary.KERNELS["rotary"] = _on_gpus(compile_(rotary.apply_rotary), rotary.apply_rotary)
     norm.KERNELS["rms_norm"] = _on_gpus(_by_dtype(triton_norm.rms_norm, compile_(norm.rms_norm)), norm.rms_norm)
     norm.KERNELS["add_rms_norm"] = _on_gpus(_by_dtype(triton_norm.add_rms_norm, compile_(norm.add_rms_norm)),
                                             norm.add_rms_norm)
     activation.KERNELS["silu_and_mul"] = _on_gpus(triton_activation.silu_and_mul, activation.silu_and_mul)
+    moe.KERNELS["experts"] = _on_gpus(triton_moe.fused_experts, moe.reference_experts)
     # These two send CPU tensors to the reference themselves (use_skinny).
     linear.KERNELS["linear"] = triton_skinny_matmul.linear
     linear.KERNELS["normed_linear"] = triton_skinny_matmul.normed_linear

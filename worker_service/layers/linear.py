@@ -30,7 +30,7 @@ from worker_service.parallel.distributed import all_reduce, partial_sum_buffer, 
 if TYPE_CHECKING:
     from worker_service.layers.norm import RMSNorm
 
-ShardId = int | str | None
+ShardId = int | str | tuple[int, str] | None  # tuples: (expert, projection) of MoE experts
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
 
 

@@ -5,6 +5,10 @@ Q4_0/Q4_1 gets an Int4Linear built from the file's own codes (no re-quantization
 an Int8Head: per-row int8 logits pick the candidates, whose logits are then recomputed in float32 (int8
 logits alone agreed with the float32 head's top-1 at only 97 % of positions).
 The float32 layers stay inside the wrappers for prefill-sized steps.
+
+MoE models: the attention projections (and the MLPs of dense layers) go int4 as above; the sparse
+layers' experts and routers stay dense float32 (the expert kernel reads the stacked 3-D experts, which
+have no int4 form here), so a MoE model's weights shrink far less than a dense one's.
 """
 from __future__ import annotations
 
@@ -37,6 +41,8 @@ def quantize_gguf_model_for_cpu(model: nn.Module, gguf: GGUFFile, config: ModelC
     num_int4 = 0
     for index, layer in enumerate(model.model.layers):
         for path, sources in _projection_sources(config).items():
+            if path.startswith("mlp.") and config.is_moe_layer(index):
+                continue  # a sparse layer: its experts stay float32 (see the module docstring)
             parts = [read_int4_groups(gguf, f"blk.{index}.{suffix}.weight", heads) for suffix, heads in sources]
             if any(part is None for part in parts):
                 continue  # some shard is not 4-bit (e.g. a Q6_K ffn_down): keep the float32 layer

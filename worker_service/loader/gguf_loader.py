@@ -1,5 +1,9 @@
 """Loading GGUF checkpoints (llama.cpp's format): the project's ModelConfig from GGUF metadata, and the weights
 as Hugging Face-named float32 tensors in HF layout, ready for the same name mapping as safetensors weights.
+
+qwen3moe files stack each layer's experts in one 3-D tensor per projection (`blk.N.ffn_gate_exps.weight`
+[E, I, H] row-major, `ffn_up_exps`, `ffn_down_exps` [E, H, I]); they are yielded as HF's per-expert
+matrices (`model.layers.N.mlp.experts.E.gate_proj.weight`, ...). The router is `blk.N.ffn_gate_inp.weight`.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from worker_service.layers.rotary import RopeScaling
 from worker_service.loader.gguf_dequant import dequantize_tensor
 from worker_service.models.config import ModelConfig
 
-_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 
 # GGUF tensor name -> HF name (the standardized names of gguf's tensor_mapping, for the supported models)
 _GLOBAL_NAMES = {
@@ -37,7 +41,10 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
 }
+# stacked experts: GGUF block tensor -> the HF projection of each expert
+_EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # tensors llama.cpp adds that have no HF counterpart: rope_freqs is read into the config (llama3 rope scaling)
 _IGNORED = re.compile(r"rope_freqs\.weight|blk\.\d+\.attn_rot_embd\.weight")
@@ -73,7 +80,7 @@ def _model_config(gguf: GGUFFile) -> ModelConfig:
         architecture=_ARCHITECTURES[arch],
         vocab_size=gguf.tensors["token_embd.weight"].ggml_shape[1],
         hidden_size=hidden_size,
-        intermediate_size=int(get("feed_forward_length")),
+        intermediate_size=int(get("feed_forward_length", get("expert_feed_forward_length"))),
         num_layers=int(get("block_count")),
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
@@ -85,20 +92,55 @@ def _model_config(gguf: GGUFFile) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in gguf.tensors,
         rope_scaling=_rope_scaling(gguf, get, rope_theta),
         eos_token_ids=_eos_token_ids(meta),
+        **_experts(gguf, get),
+    )
+
+
+def _experts(gguf: GGUFFile, get: Callable[[str, Any], Any]) -> dict[str, Any]:
+    """The MoE fields of ModelConfig for a file with experts (none for a dense one).
+
+    norm_topk_prob: llama.cpp's qwen3moe graph always renormalises the chosen experts' weights
+    (build_moe_ffn with norm_w = true, whatever the HF config said), and its converter writes no key for
+    it; so True, unless the file carries `expert_weights_norm` (the key llama.cpp reads for this in other
+    MoE architectures). A layer without a router (`ffn_gate_inp`) is taken as dense; llama.cpp's qwen3moe
+    has a router in every layer.
+    """
+    num_experts = int(get("expert_count", 0))
+    if not num_experts:
+        return {}
+    if float(get("expert_weights_scale", 0.0)) not in (0.0, 1.0):
+        raise ValueError(f"{gguf.path}: scaled expert weights (expert_weights_scale) are not supported")
+    gate_stack = next((info for name, info in gguf.tensors.items() if name.endswith(".ffn_gate_exps.weight")), None)
+    moe_size = get("expert_feed_forward_length") or (gate_stack.ggml_shape[1] if gate_stack is not None else 0)
+    num_layers = int(get("block_count"))
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=int(get("expert_used_count", 0)),
+        moe_intermediate_size=int(moe_size),
+        norm_topk_prob=bool(get("expert_weights_norm", True)),
+        mlp_only_layers=tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in gguf.tensors),
     )
 
 
 def iter_gguf_hf_tensors(source: str | Path | GGUFFile) -> Iterator[tuple[str, np.ndarray]]:
     """Yields (HF parameter name, float32 array in HF layout) for every weight of a GGUF file, in file order.
 
-    Dequantizes one tensor at a time. For llama files the q/k projection rows are put back in HF order
-    (llama.cpp's converter interleaves the two rotary halves of each head). No lm_head.weight is yielded
-    when the embeddings are tied (the file has no output.weight).
+    Dequantizes one tensor at a time (a stack of experts at once, yielded as one matrix per expert). For llama
+    files the q/k projection rows are put back in HF order (llama.cpp's converter interleaves the two rotary
+    halves of each head). No lm_head.weight is yielded when the embeddings are tied (the file has no
+    output.weight).
     """
     gguf = _open(source)
     config = _model_config(gguf)
     is_permuted = config.architecture == "llama"
     for gguf_name in gguf.tensors:
+        expert_names = gguf_expert_hf_names(gguf_name, config.num_experts)
+        if expert_names is not None:
+            stack = dequantize_tensor(gguf, gguf_name)
+            if stack.ndim != 3 or stack.shape[0] != len(expert_names):
+                raise ValueError(f"GGUF tensor {gguf_name!r} has shape {stack.shape}, not {len(expert_names)} experts")
+            yield from zip(expert_names, stack, strict=True)
+            continue
         hf_name = gguf_to_hf_name(gguf_name)
         if hf_name is None:
             continue
@@ -110,8 +152,17 @@ def iter_gguf_hf_tensors(source: str | Path | GGUFFile) -> Iterator[tuple[str, n
         yield hf_name, tensor
 
 
+def gguf_expert_hf_names(gguf_name: str, num_experts: int) -> list[str] | None:
+    """The HF names of the experts' matrices stacked in a GGUF tensor, in stack order; None for other tensors."""
+    match = _BLOCK_TENSOR.fullmatch(gguf_name)
+    if match is None or match[2] not in _EXPERT_STACKS or match[3] != "weight":
+        return None
+    return [f"model.layers.{match[1]}.mlp.experts.{e}.{_EXPERT_STACKS[match[2]]}.weight" for e in range(num_experts)]
+
+
 def gguf_to_hf_name(gguf_name: str) -> str | None:
-    """The HF parameter name of a GGUF tensor; None for tensors that have no HF counterpart."""
+    """The HF parameter name of a GGUF tensor; None for tensors that have no HF counterpart. (Stacked
+    experts have several: gguf_expert_hf_names.)"""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     if _IGNORED.fullmatch(gguf_name):

@@ -10,6 +10,7 @@ from safetensors import safe_open
 from torch import nn
 
 from worker_service.attention import AttentionBackend, default_backend_name, get_attention_backend
+from worker_service.loader.random_weights import is_random_checkpoint, iter_random_tensors
 from worker_service.loader.weight_mapping import LoadedKey, check_all_loaded, load_named_tensor
 from worker_service.models import LlamaForCausalLM, build_model
 from worker_service.models.config import ModelConfig
@@ -43,18 +44,21 @@ def load_named_tensors(model: nn.Module, tensors: Iterable[tuple[str, torch.Tens
     loaded twice, or if any parameter is left unloaded."""
     loaded: set[LoadedKey] = set()
     for hf_name, tensor in tensors:
-        key = load_named_tensor(model, hf_name, tensor)
-        if key is None:
-            continue
-        if key in loaded:
-            raise ValueError(f"checkpoint tensor {hf_name!r} appears more than once in {source}")
-        loaded.add(key)
+        for key in load_named_tensor(model, hf_name, tensor):
+            if key in loaded:
+                raise ValueError(f"checkpoint tensor {hf_name!r} appears more than once in {source}")
+            loaded.add(key)
     check_all_loaded(model, loaded)
 
 
 def load_hf_weights(model: nn.Module, folder: str | Path) -> None:
-    """Fills every parameter of model from the safetensors checkpoint in folder."""
-    load_named_tensors(model, iter_safetensors(folder), str(folder))
+    """Fills every parameter of model from the safetensors checkpoint in folder (or, for a random
+    checkpoint, from tensors drawn on the model's device: random_weights)."""
+    if is_random_checkpoint(folder):
+        tensors = iter_random_tensors(folder, next(model.parameters()).device)
+    else:
+        tensors = iter_safetensors(folder)
+    load_named_tensors(model, tensors, str(folder))
 
 
 def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | str,

@@ -5,14 +5,16 @@ from worker_service.attention.base import AttentionBackend
 from worker_service.models.config import ModelConfig
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.models.qwen3 import Qwen3ForCausalLM
+from worker_service.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _ARCHITECTURE_TO_CLASS: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,  # llama with q/k/v biases, switched on by config.attention_bias
     "qwen3": Qwen3ForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
 }
 
-__all__ = ["LlamaForCausalLM", "Qwen3ForCausalLM", "build_model"]
+__all__ = ["LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "build_model"]
 
 
 def build_model(config: ModelConfig, backend: AttentionBackend) -> LlamaForCausalLM:

@@ -1,7 +1,9 @@
-"""The Llama-family decoder (llama, qwen2, and with per-head q/k norms, qwen3).
+"""The Llama-family decoder (llama, qwen2, and with per-head q/k norms, qwen3; with sparse MoE
+blocks in place of some MLPs, qwen3_moe).
 
 Parameter names follow HF checkpoints, except that q/k/v and gate/up are fused
-(`self_attn.qkv_proj`, `mlp.gate_up_proj`); the loaders map the HF names onto their shards.
+(`self_attn.qkv_proj`, `mlp.gate_up_proj`) and the experts stacked (`mlp.experts.gate_up_proj`,
+`mlp.experts.down_proj`); the loaders map the HF names onto their shards.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from worker_service.layers import (
     RotaryEmbedding,
     RowLinear,
     SiluAndMul,
+    SparseMoeBlock,
     VocabEmbedding,
     normed_linear,
 )
@@ -86,12 +89,15 @@ class DecoderLayer(nn.Module):
     residual add is fused into the following RMSNorm, and each norm into the projection after it
     where a kernel does both (linear.normed_linear)."""
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
+                 layer_index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, rotary, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        # A MoE model's sparse layers route each token to a few experts; its other layers, and every
+        # layer of a dense model, have one MLP.
+        self.mlp = SparseMoeBlock(config) if config.is_moe_layer(layer_index) else MLP(config)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +113,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                  config.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary, backend) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary, backend, index)
+                                    for index in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:

@@ -53,7 +53,7 @@ def create_worker_core(config: WorkerConfig) -> WorkerCore | TensorParallelCore:
 
 def check_tensor_parallel(config: WorkerConfig) -> None:
     """Raises ValueError (one line) when the model cannot be split over tensor_parallel_size ranks
-    on this host: more ranks than visible GPUs, or head or layer sizes that do not divide."""
+    on this host: more ranks than visible GPUs, or head, layer or expert counts that do not divide."""
     size = config.tensor_parallel_size
     device = resolve_device(config.device)
     if device.type == "cuda" and size > torch.cuda.device_count():
@@ -64,9 +64,13 @@ def check_tensor_parallel(config: WorkerConfig) -> None:
     if model.num_kv_heads % size and size % model.num_kv_heads:
         raise ValueError(f"tensor_parallel_size: {model.num_kv_heads} KV heads neither divide over {size} ranks "
                          "nor replicate evenly")
-    if model.intermediate_size % size:
+    has_dense_layers = not all(model.is_moe_layer(index) for index in range(model.num_layers))
+    if has_dense_layers and model.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size: intermediate size {model.intermediate_size} does not divide "
                          f"over {size} ranks")
+    if model.num_experts % size:  # experts are split whole (layers.moe)
+        raise ValueError(f"tensor_parallel_size: {model.num_experts} experts (num_experts) do not divide over "
+                         f"{size} ranks")
     if config.deterministic and device.type == "cpu":
         # The batch-invariant row-parallel product sums whole chunks of inputs (invariant/cpu_products).
         for what, inputs in (("attention heads x head_dim", model.num_heads * model.head_dim),
