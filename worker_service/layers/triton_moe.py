@@ -140,14 +140,15 @@ def moe_config(num_entries: int, num_local_experts: int, dtype: torch.dtype = to
     """Block sizes from the shape alone: BLOCK_M near the entries an expert gets on average (decode
     batches give few), so that little of each block is padding; small column tiles at few rows, so
     that a decode step's few blocks still make hundreds of programs to read the weights at bandwidth.
+    From bench/moe_bench.py --sweep on an H200 at Qwen3-30B-A3B's shapes (bench/results/2026-12-02-h200-moe.md).
     float32 (tests, references) takes half the K tile and fewer stages: its tiles are twice the bytes."""
     per_expert = num_entries / max(num_local_experts, 1)
-    if per_expert <= 16:
+    if per_expert <= 8:
         config = MoeConfig(16, 32, 128, 4, 4)
-    elif per_expert <= 48:
+    elif per_expert <= 32:
         config = MoeConfig(32, 64, 128, 4, 4)
     elif per_expert <= 128:
-        config = MoeConfig(64, 64, 64, 4, 4)
+        config = MoeConfig(64, 128, 64, 4, 4)
     else:
         config = MoeConfig(128, 128, 64, 8, 3)
     if dtype == torch.float32:
