@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session: stages given as arguments, in order (default: tests attention throughput).
-#   tests       GPU tests (Triton kernels, the fused sampler, the whole model against transformers, --deterministic)
+#   tests       GPU tests (Triton kernels incl. the experts', the fused sampler, the whole model against transformers,
+#               --deterministic)
 #   profile     bench/profile_decode.py: GPU busy and idle time, the kernels that take it
 #   attention   bench/attention_bench.py
 #   throughput  bench/throughput.py, in-process and through gRPC (random Qwen3-0.6B, bf16)
@@ -91,6 +92,7 @@ for s in ${@:-tests attention throughput}; do
              tests/worker_service/test_triton_skinny_matmul.py tests/worker_service/test_step_grammars.py \
              tests/worker_service/test_step_constraints.py tests/worker_service/test_logit_edits.py \
              tests/worker_service/test_fused_logit_edits.py tests/worker_service/test_prompt_logprobs.py \
+             tests/worker_service/test_triton_moe.py \
              2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     profile) timeout 300 python3 bench/profile_decode.py 2>&1 | grep -v Warn | tee "$OUT/profile.log" | tail -40 ;;
     attention) timeout 240 python3 bench/attention_bench.py 2>&1 | tee "$OUT/attention.log" | tail -30 ;;
