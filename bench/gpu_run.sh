@@ -83,7 +83,7 @@ echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown) $(date -u
 for s in ${@:-tests attention throughput}; do
   echo "=== $s"
   case $s in
-    tests) timeout 420 python3 -m pytest -q -x -p no:cacheprovider tests/worker_service/test_triton_invariant.py \
+    tests) timeout 540 python3 -m pytest -q -x -p no:cacheprovider tests/worker_service/test_triton_invariant.py \
              tests/worker_service/test_gpu_deterministic.py tests/worker_service/test_triton_attention.py \
              tests/worker_service/test_gpu_model.py tests/worker_service/test_sampler.py \
              tests/worker_service/test_fused_sampling.py tests/worker_service/test_triton_rope_store.py \
