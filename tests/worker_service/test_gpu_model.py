@@ -1,7 +1,7 @@
 """The whole model on a GPU (Triton attention, CUDA graphs) against transformers on tiny random
-checkpoints (dense, and a mixture of experts): greedy token-exact in float32; in bfloat16, teacher-forced logits within 2e-2
-relative error and top-1 agreement on at least 99 % of positions, through prefill and through
-graph-replayed decode steps."""
+checkpoints (dense, and a mixture of experts): greedy token-exact in float32; in bfloat16,
+teacher-forced logits within 2e-2 relative error and top-1 agreement on at least 99 % of positions,
+through prefill and through graph-replayed decode steps."""
 from __future__ import annotations
 
 import random
