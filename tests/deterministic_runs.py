@@ -4,6 +4,7 @@ recorded, for the --deterministic tests (test_deterministic_cpu.py, test_tensor_
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,10 +14,18 @@ import pytest
 from common import SamplingParams
 from offline import LLM
 from offline import llm as llm_module
+from worker_service import invariant
 
 NUM_PROMPTS = 8
 MAX_TOKENS = 24
 NOISE = -1  # a prompt index: a random prompt of its own, run beside the workload's
+
+
+@pytest.fixture(autouse=True)
+def default_kernels_afterwards() -> Iterator[None]:
+    """The mode's kernels are process-wide: the next tests get the default ones back."""
+    yield
+    invariant.disable()
 
 
 @dataclass(frozen=True)

@@ -5,28 +5,23 @@ chunks of 24 tokens, from the prefix cache or preempted and recomputed. Without 
 runs differ (the control: these checks can fail)."""
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.deterministic_runs import WAYS, differing_ways
+from tests.deterministic_runs import (
+    WAYS,
+    default_kernels_afterwards,  # noqa: F401 (autouse)
+    differing_ways,
+)
 from tests.tiny_models import make_tiny_checkpoint
 from tests.worker_service.test_tp_sharding import write_gguf
-from worker_service import invariant
 
 VOCAB_SIZE = 512
 # Shapes of whole 64-column chunks: 4 chunks into o_proj, 18 into down_proj; head_dim 64.
 SHAPE = dict(num_heads=4, num_kv_heads=2, head_dim=64, hidden_size=256, intermediate_size=1152,
              vocab_size=VOCAB_SIZE, max_position_embeddings=512)
 OTHER_WAYS = [way for way in WAYS if way != "alone"]
-
-
-@pytest.fixture(autouse=True)
-def default_kernels_afterwards() -> Iterator[None]:
-    """The mode's kernels are process-wide: the next tests get the default ones back."""
-    yield
-    invariant.disable()
 
 
 @pytest.fixture(scope="module")

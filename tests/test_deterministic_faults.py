@@ -36,7 +36,7 @@ from common.client import GenerationClient, StreamDelta
 from common.contract.config import SchedulerConfig
 from tests.services_harness import InProcessScheduler, free_port, start_scheduler, start_worker, stop, wait_until
 from tests.test_worker_link import health
-from tests.tiny_models import make_tiny_checkpoint, save_tiny_bpe_tokenizer
+from tests.tiny_models import make_slow_cpu_checkpoint
 
 NUM_STREAMS = 32  # even indices greedy, odd ones seeded
 MAX_TOKENS = 64
@@ -73,12 +73,7 @@ def kind(index: int) -> str:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
-    """Slow enough on a CPU (8 layers of width 512) that the streams are mid-way when the fault comes."""
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("deterministic"), "qwen3", num_heads=8, num_kv_heads=4,
-                                head_dim=64, hidden_size=512, intermediate_size=2048, num_layers=8,
-                                max_position_embeddings=1024)
-    save_tiny_bpe_tokenizer(path)
-    return path
+    return make_slow_cpu_checkpoint(tmp_path_factory.mktemp("deterministic"), max_position_embeddings=1024)
 
 
 def started_worker(model: Path, port: int, *extra: str, **popen) -> subprocess.Popen:

@@ -1,6 +1,6 @@
 """The whole engine (scheduler + worker through the Step messages) against transformers' greedy
-generate, token for token, on tiny random checkpoints: plain, with prefix-cache hits, chunked
-prefill, preemption, and block sizes 16 and 256."""
+generate, token for token, on tiny random checkpoints (dense, and mixtures of experts): plain, with
+prefix-cache hits, chunked prefill, preemption, and block sizes 16 and 256."""
 from __future__ import annotations
 
 import random
@@ -16,11 +16,19 @@ NUM_NEW_TOKENS = 64
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
 Case = tuple[Path, list[list[int]], list[list[int]]]  # checkpoint, prompts, transformers' continuations
 
+MOE = dict(arch="qwen3_moe", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64)
 MODELS = {
     "qwen3-h4-kv2-d16": dict(arch="qwen3", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64),
     "qwen3-h8-kv2-d32": dict(arch="qwen3", num_heads=8, num_kv_heads=2, head_dim=32, hidden_size=128),
     "llama-h4-kv4-d32-tied": dict(arch="llama", num_heads=4, num_kv_heads=4, head_dim=32, hidden_size=128, tie=True),
     "llama-h8-kv1-d16": dict(arch="llama", num_heads=8, num_kv_heads=1, head_dim=16, hidden_size=96),
+    # Qwen3-MoE (8 experts): every layer sparse, top-2 renormalised (Qwen3-30B-A3B's routing)
+    "moe-norm-all-sparse": dict(MOE, num_layers=2, norm_topk_prob=True),
+    # top-3 of 8 not renormalised; layer 1 dense (mlp_only_layers)
+    "moe-raw-top3-mlp-only": dict(MOE, num_layers=3, norm_topk_prob=False, num_experts_per_tok=3,
+                                  mlp_only_layers=(1,)),
+    # every second layer sparse (decoder_sparse_step): layer 0 dense, layer 1 sparse
+    "moe-norm-sparse-step2": dict(MOE, num_layers=2, norm_topk_prob=True, decoder_sparse_step=2),
 }
 
 

@@ -4,14 +4,17 @@ hitting the prefix cache and preempting; without the mode two ranks' logprobs di
 with each prompt alone (the control)."""
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.deterministic_runs import EVERY, WAYS, generate
+from tests.deterministic_runs import (
+    EVERY,
+    WAYS,
+    default_kernels_afterwards,  # noqa: F401 (autouse)
+    generate,
+)
 from tests.tiny_models import make_tiny_checkpoint
-from worker_service import invariant
 
 VOCAB_SIZE = 509  # the second rank's slice of the vocabulary ends in padding
 # Each rank: 2 heads of 64 (2 chunks into o_proj), 576 of the intermediate size (9 chunks into down_proj).
@@ -20,12 +23,6 @@ SHAPE = dict(num_heads=4, num_kv_heads=2, head_dim=64, hidden_size=256, intermed
 # Prefill chunks of 24 tokens, 16 blocks (preemption), the first prompt before the others (prefix hits).
 EVERYTHING = dict(max_num_batched_tokens=24, num_kv_blocks=16)
 EVERYTHING_BATCHES = [[0], EVERY[::-1]]
-
-
-@pytest.fixture(autouse=True)
-def default_kernels_afterwards() -> Iterator[None]:
-    yield
-    invariant.disable()
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from tests.services_harness import (
     wait_until,
 )
 from tests.test_worker_link import health
-from tests.tiny_models import make_tiny_checkpoint, save_tiny_bpe_tokenizer
+from tests.tiny_models import make_slow_cpu_checkpoint
 
 PROMPTS = [f"Request {i}: the quick brown fox" for i in range(8)]
 MAX_TOKENS = 48
@@ -36,11 +36,7 @@ LANE_LOGGER = "scheduler_service.lanes.worker_lane"
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("liveness"), "qwen3", num_heads=8, num_kv_heads=4,
-                                head_dim=64, hidden_size=512, intermediate_size=2048, num_layers=8,
-                                max_position_embeddings=4096)
-    save_tiny_bpe_tokenizer(path)
-    return path
+    return make_slow_cpu_checkpoint(tmp_path_factory.mktemp("liveness"), max_position_embeddings=4096)
 
 
 @pytest.fixture(scope="module")

@@ -120,6 +120,15 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
+def make_slow_cpu_checkpoint(folder: Path, max_position_embeddings: int) -> Path:
+    """A qwen3 of 8 layers of width 512 with a tokenizer: slow enough on a CPU that streams are mid-way
+    when a test's fault comes (a worker killed, a liveness probe missed)."""
+    path = make_tiny_checkpoint(folder, "qwen3", num_heads=8, num_kv_heads=4, head_dim=64, hidden_size=512,
+                                intermediate_size=2048, num_layers=8, max_position_embeddings=max_position_embeddings)
+    save_tiny_bpe_tokenizer(path)
+    return path
+
+
 def save_tiny_bpe_tokenizer(folder: Path, vocab_size: int = 512) -> Path:
     """A byte-level BPE tokenizer trained on a small multilingual corpus, saved as tokenizer.json
     and tokenizer_config.json (with a chat template). Multi-byte characters outside the merges are

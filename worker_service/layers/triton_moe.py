@@ -194,6 +194,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
                                         topk_weights[start:start + MAX_TOKENS_PER_CALL], first_expert, config)
                           for start in range(0, x.shape[0], MAX_TOKENS_PER_CALL)])
     num_tokens, top_k = topk_ids.shape
+    topk_ids = topk_ids.contiguous()  # the kernels index it as [T, k] rows
     num_local, two_i, hidden_size = w13.shape
     inter = two_i // 2
     num_entries = num_tokens * top_k
