@@ -170,6 +170,20 @@ def requests_with_hostile_ids_and_a_deadline(run: Run, port: int, ca_path: Path)
         run.deadline_code = ended.value.code()
 
 
+def metrics_after_the_deadline(metrics_port: int) -> dict:
+    """The service's metrics once it has recorded the call whose deadline passed: the client sees
+    DEADLINE_EXCEEDED when its own timer fires, the server a moment later, when it notices the
+    cancellation (a scrape at once missed it on a loaded CI machine)."""
+    samples: dict = {}
+
+    def recorded() -> bool:
+        samples.update(scrape(metrics_port))
+        return value(samples, "nanovllm_request_failure_total", code="DEADLINE_EXCEEDED") > 0
+
+    wait_until(recorded, 30, "the passed deadline in nanovllm_request_failure_total")
+    return samples
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     folder = tmp_path_factory.mktemp("log_guarantees")
@@ -195,7 +209,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         hostile_worker_calls(result, worker_port)
         failed_handshakes(result, port)
         requests_with_hostile_ids_and_a_deadline(result, port, folder / "ca.pem")
-        result.metrics = scrape(metrics_port)
+        result.metrics = metrics_after_the_deadline(metrics_port)
     finally:
         result.exit_code = stop(serve)
     yield result
