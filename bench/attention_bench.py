@@ -6,6 +6,7 @@ heads, head_dim 128, bf16), against torch SDPA on contiguous tensors holding the
     python bench/attention_bench.py --decode-sweep 256:1024   # only the decode sweep, at these shapes
     python bench/attention_bench.py --kv-cache-dtype fp8 --decode-only   # decode over an FP8 cache
     python bench/attention_bench.py --random-lengths   # 256 sequences of 100-2047 tokens, bf16 and fp8 caches
+    python bench/attention_bench.py --decode-shapes 1:32768   # only the decode rows at these shapes
 
 Decode: batch sizes 1, 8, 64, 256 x contexts 512, 1024, 4096 (every sequence at that context),
 block sizes 256 and 16; reports the achieved K+V read bandwidth (bytes of K and V read / median time)
@@ -16,7 +17,8 @@ checked against SDPA's output, so a broken kernel cannot post a number. With --k
 decode kernel reads an e4m3 cache with its per-vector scales (kv_quant), SDPA the dequantized K/V,
 and the bytes counted are the fp8 values plus their float32 scales. The invariant-dec and invariant-pre
 rows time what `--deterministic` runs instead (attention/triton_invariant: the prefill kernel for decode
-batches too, every tile through the masked path).
+batches too, every tile through the masked path). Where flash-attn-4 is installed, flash-* rows time
+FlashAttention over the same paged cache (the flash-attn backend's prefill; its decode for comparison).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from worker_service.attention.flash_attn_backend import as_pages, load_varlen_attention, page_tables  # noqa: E402
 from worker_service.attention.kv_quant import dequantize, head_scales, quantize  # noqa: E402
 from worker_service.attention.triton_decode import (  # noqa: E402
     DECODE_BLOCK_N,
@@ -136,6 +139,26 @@ def fp8_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tenso
     return values[0], values[1], scales, seen[0], seen[1]
 
 
+def flash_or_none(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                  seq_lens: torch.Tensor, starts: torch.Tensor,
+                  max_query_len: int) -> Callable[[], torch.Tensor] | None:
+    """FlashAttention (flash-attn-4) over the same paged cache, as the flash-attn backend calls it;
+    None where the package is not installed."""
+    try:
+        varlen = load_varlen_attention()
+    except ValueError:
+        return None
+    pages_k, pages_v = as_pages(k_cache), as_pages(v_cache)
+    table = page_tables(tables, k_cache.shape[1]).contiguous()
+
+    def flash() -> torch.Tensor:
+        out = varlen(q, pages_k, pages_v, cu_seqlens_q=starts, max_seqlen_q=max_query_len, seqused_k=seq_lens,
+                     page_table=table, softmax_scale=SCALE, causal=True)
+        return out[0] if isinstance(out, tuple) else out
+
+    return flash
+
+
 def decode_rows(block_size: int, batch: int, context: int, device: torch.device, fp8: bool = False) -> list[Row]:
     k = torch.randn(batch, context, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
     v = torch.randn_like(k)
@@ -162,10 +185,13 @@ def decode_rows(block_size: int, batch: int, context: int, device: torch.device,
     reference = sdpa(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), is_causal=False)
     error = relative_error(run(), reference()[:, :, 0])
     invariant_error = relative_error(run_invariant(), reference()[:, :, 0])
+    cases = [("triton-dec-fp8" if fp8 else "triton-decode", run, splits, error),
+             ("invariant-dec", run_invariant, 1, invariant_error)]
+    flash = None if fp8 else flash_or_none(q, k_cache, v_cache, tables, seq_lens, starts, 1)
+    if flash is not None:
+        cases.append(("flash-decode", flash, 1, relative_error(flash(), reference()[:, :, 0])))
     rows = []
-    for what, fn, split_label, err in (("triton-dec-fp8" if fp8 else "triton-decode", run, splits, error),
-                                       ("invariant-dec", run_invariant, 1, invariant_error),
-                                       (f"sdpa-{reference.__doc__}", reference, "-", float("nan"))):
+    for what, fn, split_label, err in (*cases, (f"sdpa-{reference.__doc__}", reference, "-", float("nan"))):
         ms = bench_ms(fn)
         rows.append(Row(what, block_size if fn is not reference else "-", batch, context, split_label, ms * 1e3,
                         kv_bytes / ms / 1e6, "GB/s", err))
@@ -201,10 +227,16 @@ def random_length_rows(device: torch.device, num_seqs: int = 256, lengths: tuple
 
         reference = F.scaled_dot_product_attention(q[:, :, None], k_ref.transpose(1, 2), v_ref.transpose(1, 2),
                                                    attn_mask=mask, scale=SCALE, enable_gqa=True)[:, :, 0]
-        error = relative_error(run(), reference)
-        ms = bench_ms(run)
-        rows.append(Row(f"rand-{name}", block_size, num_seqs, context, splits, ms * 1e3,
-                        tokens * NUM_KV_HEADS * bytes_per_head / ms / 1e6, "GB/s", error))
+        runs = [(f"rand-{name}", run, splits)]
+        starts = torch.arange(num_seqs + 1, dtype=torch.int32, device=device)
+        flash = flash_or_none(q, keys, values, tables, seq_lens, starts, 1) if name == "bf16" else None
+        if flash is not None:
+            runs.append(("rand-flash-bf16", flash, 1))
+        for what, fn, split_label in runs:
+            error = relative_error(fn(), reference)
+            ms = bench_ms(fn)
+            rows.append(Row(what, block_size, num_seqs, context, split_label, ms * 1e3,
+                            tokens * NUM_KV_HEADS * bytes_per_head / ms / 1e6, "GB/s", error))
     return rows
 
 
@@ -235,8 +267,11 @@ def prefill_rows(num_seqs: int, query_len: int, block_size: int, device: torch.d
                                                                       for name, value in config.items())
     rows = []
     one_pass_error = relative_error(run_one_pass(), reference().transpose(1, 2).flatten(0, 1))
-    cases = [(label, run, error), ("invariant-pre", run_one_pass, one_pass_error),
-             (f"sdpa-{reference.__doc__}", reference, float("nan"))]
+    cases = [(label, run, error), ("invariant-pre", run_one_pass, one_pass_error)]
+    flash = flash_or_none(packed_q, k_cache, v_cache, tables, seq_lens, starts, query_len)
+    if flash is not None:
+        cases.append(("flash-prefill", flash, relative_error(flash(), reference().transpose(1, 2).flatten(0, 1))))
+    cases.append((f"sdpa-{reference.__doc__}", reference, float("nan")))
     for what, fn, err in cases:
         if fn is not run and config:
             continue
@@ -313,6 +348,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="the decode rows' cache: the model dtype (bf16) or e4m3 with scales")
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill rows")
+    parser.add_argument("--decode-shapes", metavar="BATCH:CONTEXT", nargs="+",
+                        help="only the decode rows at these shapes (block size 256), e.g. 1:32768")
     parser.add_argument("--random-lengths", action="store_true",
                         help="only 256 sequences of random lengths 100-2047, bf16 and fp8 caches")
     args = parser.parse_args()
@@ -327,6 +364,12 @@ def main() -> None:
             sweep_decode(256, batch, context, device, args.kv_cache_dtype == "fp8")
         return
     print(HEADER, flush=True)
+    if args.decode_shapes:
+        for shape in args.decode_shapes:
+            batch, context = (int(part) for part in shape.split(":"))
+            for row in decode_rows(256, batch, context, device, args.kv_cache_dtype == "fp8"):
+                print(row.line(), flush=True)
+        return
     if args.random_lengths:
         for row in random_length_rows(device):
             print(row.line(), flush=True)

@@ -1,9 +1,11 @@
 """The whole model on a GPU (Triton attention, CUDA graphs) against transformers on tiny random
 checkpoints (dense, and a mixture of experts): greedy token-exact in float32; in bfloat16,
 teacher-forced logits within 2e-2 relative error and top-1 agreement on at least 99 % of positions,
-through prefill and through graph-replayed decode steps."""
+through prefill and through graph-replayed decode steps. The flash-attn backend (where flash-attn-4 is
+installed) in the same bf16 check, eager so that its prefills are FlashAttention's."""
 from __future__ import annotations
 
+import importlib.util
 import random
 from pathlib import Path
 
@@ -28,6 +30,7 @@ MODELS = {
                               num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128),
 }
 NUM_NEW_TOKENS = 64
+needs_flash_attn = pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="needs flash-attn-4")
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -45,13 +48,16 @@ def hf_greedy(path: Path, batch: list[list[int]]) -> list[list[int]]:
     return hf_greedy_generate(path, batch, NUM_NEW_TOKENS)
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-def test_float32_greedy_is_token_exact(checkpoint: Path, enforce_eager: bool) -> None:
+@pytest.mark.parametrize(("enforce_eager", "attention_backend"),
+                         [(False, "auto"), (True, "auto"), pytest.param(True, "flash-attn", marks=needs_flash_attn)],
+                         ids=["graphs", "eager", "flash-attn-eager"])
+def test_float32_greedy_is_token_exact(checkpoint: Path, enforce_eager: bool, attention_backend: str) -> None:
+    """flash-attn in float32: FlashAttention has no float32 kernels, so the Triton ones, still exact."""
     from offline import LLM
 
     batch = prompts()
     with LLM(str(checkpoint), device="cuda", dtype="float32", block_size=16, num_kv_blocks=512, max_num_seqs=16,
-             max_num_batched_tokens=512, enforce_eager=enforce_eager) as llm:
+             max_num_batched_tokens=512, enforce_eager=enforce_eager, attention_backend=attention_backend) as llm:
         results = llm.generate(batch, SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True),
                                use_tqdm=False)
     assert [r["token_ids"] for r in results] == hf_greedy(checkpoint, batch)
@@ -83,20 +89,23 @@ def test_one_sequence_prefills_through_their_graph_token_exact(checkpoint: Path,
     assert results == hf_greedy(checkpoint, batch)
 
 
-def teacher_forced_logits(checkpoint: Path, tokens: list[int], prompt_len: int) -> torch.Tensor:
+def teacher_forced_logits(checkpoint: Path, tokens: list[int], prompt_len: int,
+                          attention_backend: str = "auto") -> torch.Tensor:
     """Our bf16 logits at positions prompt_len-1 .. len-2: the prompt in two prefill chunks, then
-    one decode step per token, replayed through the CUDA graph."""
+    one decode step per token, replayed through the CUDA graph (eager steps for flash-attn)."""
     from worker_service.layers import fused_kernels
     from worker_service.runtime.batch import ScheduledChunk, build_model_input
     from worker_service.runtime.model_runner import ModelRunner
     from worker_service.runtime.sequence_state import WorkerSequence
 
+    eager = attention_backend == "flash-attn"
     config = WorkerConfig(model=str(checkpoint), device="cuda", dtype="bfloat16", block_size=16, num_kv_blocks=64,
-                          max_num_seqs=4, max_num_batched_tokens=512)
+                          max_num_seqs=4, max_num_batched_tokens=512, attention_backend=attention_backend,
+                          enforce_eager=eager)
     fused_kernels.enable()  # as a worker sets at start
     runner = ModelRunner(config)
     runner.init_cache(64)
-    assert runner.graphs
+    assert bool(runner.graphs) != eager
     blocks = list(range(64))
     random.Random(0).shuffle(blocks)
     blocks = blocks[:-(-len(tokens) // 16)]
@@ -115,7 +124,8 @@ def teacher_forced_logits(checkpoint: Path, tokens: list[int], prompt_len: int) 
     return torch.cat(logits).float().cpu()
 
 
-def test_bfloat16_teacher_forced_logits_track_float32(checkpoint: Path) -> None:
+@pytest.mark.parametrize("attention_backend", ["auto", pytest.param("flash-attn", marks=needs_flash_attn)])
+def test_bfloat16_teacher_forced_logits_track_float32(checkpoint: Path, attention_backend: str) -> None:
     """Over eight prompts and their 64-token greedy continuations (512 positions in all)."""
     from transformers import AutoModelForCausalLM
 
@@ -126,7 +136,7 @@ def test_bfloat16_teacher_forced_logits_track_float32(checkpoint: Path) -> None:
         tokens = prompt + continuation
         with torch.no_grad():
             reference_all.append(hf(torch.tensor([tokens])).logits[0, len(prompt) - 1:-1])
-        ours_all.append(teacher_forced_logits(checkpoint, tokens, len(prompt)))
+        ours_all.append(teacher_forced_logits(checkpoint, tokens, len(prompt), attention_backend))
     ours, reference = torch.cat(ours_all), torch.cat(reference_all)
     assert ours.shape == reference.shape == (8 * NUM_NEW_TOKENS, reference.shape[-1])
     relative_error = (ours - reference).norm() / reference.norm()

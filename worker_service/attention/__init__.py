@@ -20,6 +20,7 @@ _BACKEND_MODULES: dict[str, str] = {
     "triton": "worker_service.attention.triton_backend",
     "triton-invariant": "worker_service.attention.triton_invariant",
     "torch-invariant": "worker_service.attention.torch_invariant",
+    "flash-attn": "worker_service.attention.flash_attn_backend",
 }
 # device type -> default backend name; devices not listed fall back to the portable "torch" backend.
 _DEVICE_DEFAULTS: dict[str, str] = {

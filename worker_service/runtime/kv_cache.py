@@ -45,8 +45,9 @@ class KVCacheSpec:
     def allocate(self, num_blocks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The cache [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim] and, when
         it is fp8, its scales."""
-        # Every slot is written before it is read; zeros on the CPU only keep stray reads finite.
-        allocate = torch.empty if device.type == "cuda" else torch.zeros
+        # Zeros: every slot is written before it is read, but kernels that load whole pages (flash-attn's
+        # TMA tiles) read a partly used page's rows past its sequence, and 0 * NaN would be NaN.
+        allocate = torch.zeros
         kv_cache = allocate((self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim),
                             dtype=self.dtype, device=device)
         kv_scales = None
