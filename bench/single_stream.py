@@ -4,6 +4,7 @@ decode iterations under torch.profiler: wall time, the GPU's busy time, the numb
 the kernels that take the time. The gRPC figures come from bench/serving.py's single-stream points.
 
     python bench/single_stream.py [--prompt-lens 512,2048] [--output-len 256] [--num-decode-steps 4]
+                                  [--without-pdl]   # the Triton kernels without programmatic dependent launch
 """
 from __future__ import annotations
 
@@ -30,7 +31,13 @@ def main() -> int:
     parser.add_argument("--work-dir", default="/tmp/nanovllm-bench")
     parser.add_argument("--cprofile", action="store_true", help="also the Python functions of one 512-token prefill")
     parser.add_argument("--model", help="a checkpoint folder (default: the random Qwen3-0.6B, made once)")
+    parser.add_argument("--without-pdl", action="store_true",
+                        help="launch the decode step's Triton kernels without PDL (layers/triton_pdl), for an A/B")
     args = parser.parse_args()
+    if args.without_pdl:
+        from worker_service.layers import triton_pdl
+
+        triton_pdl.ENABLED = False
     model = args.model or make_random_checkpoint(Path(args.work_dir) / "random-qwen3-0.6b")
     with LLM(str(model), max_model_len=4096, num_decode_steps=args.num_decode_steps) as llm:
         rng = random.Random(0)
@@ -47,7 +54,8 @@ def main() -> int:
             ttft = statistics.median(ttfts)
             itl = (statistics.median(totals) - ttft) / args.output_len
             print(f"prompt {prompt_len}: in-process TTFT {ttft * 1e3:.2f} ms (median of {args.repeats}), "
-                  f"ITL {itl * 1e3:.3f} ms over {args.output_len} tokens, num_decode_steps {args.num_decode_steps}")
+                  f"ITL {itl * 1e3:.3f} ms over {args.output_len} tokens, num_decode_steps {args.num_decode_steps}, "
+                  f"PDL {'off' if args.without_pdl else 'on'}")
         profiled(llm, "prefill of 512 tokens, one output token", prompt(512), 1, args.rows)
         if args.cprofile:
             python_profile(llm, prompt(512), args.rows)

@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--deterministic", action="store_true", help="batch-invariant kernels (the worker's flag)")
+    parser.add_argument("--attention-backend", default="auto",
+                        help="the worker's attention backend (auto: its default)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="fp8: e4m3 KV cache (half the K/V bytes of bf16)")
     parser.add_argument("--num-decode-steps", type=int, default=4, help="decode iterations per step")
@@ -97,7 +99,7 @@ def engine_options(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                 enforce_eager=args.enforce_eager, device=args.device, num_decode_steps=args.num_decode_steps,
                 kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
-                deterministic=args.deterministic)
+                deterministic=args.deterministic, attention_backend=args.attention_backend)
 
 
 # Modes, each run in its own process.
@@ -175,6 +177,7 @@ def _start_worker(args: argparse.Namespace, model: str, port: int, gpu: int | No
              "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
              "--tensor-parallel-size", str(args.tensor_parallel_size),
              *(["--enforce-eager"] if args.enforce_eager else []),
+             "--attention-backend", args.attention_backend,
              *(["--deterministic"] if args.deterministic else [])]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", SECRET_ENV: WORKER_SECRET}
     if gpu is not None:

@@ -65,13 +65,14 @@ def variants() -> list[Variant]:
     result = [
         Variant(f"decode split={is_split} fp8={fp8}", _decode_kernel,
                 dict(cache, GROUP=2, BLOCK_H=16, BLOCK_N=DECODE_BLOCK_N, IS_SPLIT=is_split, DOT_PRECISION="tf32",
-                     IS_FP8=fp8, WIDEN_V_IN_REGISTERS=fp8),
+                     IS_FP8=fp8, WIDEN_V_IN_REGISTERS=fp8, PDL=True),
                 dict(tables, partial_out_ptr="fp32", partial_lse_ptr="fp32", **kv_types[fp8]),
-                ("scale_log2",), options=dict(num_warps=decode_num_warps(fp8), num_stages=DECODE_NUM_STAGES))
+                ("scale_log2",),
+                options=dict(num_warps=decode_num_warps(fp8), num_stages=DECODE_NUM_STAGES, launch_pdl=True))
         for fp8 in (False, True) for is_split in (False, True)
     ]
-    result.append(Variant("merge splits", _merge_splits_kernel, dict(HEAD_DIM=128, BLOCK_SPLITS=4),
-                          dict(partial_out_ptr="fp32", partial_lse_ptr="fp32")))
+    result.append(Variant("merge splits", _merge_splits_kernel, dict(HEAD_DIM=128, BLOCK_SPLITS=4, PDL=True),
+                          dict(partial_out_ptr="fp32", partial_lse_ptr="fp32"), options=dict(launch_pdl=True)))
     for fp8 in (False, True):
         result += [
             *(Variant(f"prefill fp8={fp8} one_pass={one_pass} block_m={block_m}", _prefill_kernel,
@@ -85,7 +86,7 @@ def variants() -> list[Variant]:
                     {"slot_mapping_ptr": "i64", **kv_types[fp8]}),
         ]
     result += [
-        Variant("silu and mul", _silu_and_mul_kernel, dict(BLOCK=1024)),
+        Variant("silu and mul", _silu_and_mul_kernel, dict(BLOCK=1024, PDL=True), options=dict(launch_pdl=True)),
         *(Variant(f"rms norm residual={residual}", _rms_norm_kernel, dict(HAS_RESIDUAL=residual, BLOCK=1024),
                   floats=("eps",), options=dict(num_warps=4)) for residual in (False, True)),
         Variant("gumbel chunk", _gumbel_chunk_kernel, dict(BLOCK=4096, FAST_LOG=True),
@@ -104,17 +105,17 @@ def variants() -> list[Variant]:
         config = _config(rows, n, k)
         result.append(Variant(
             f"skinny matmul rows={rows} n={n} k={k} norm={norm}", _skinny_matmul_kernel,
-            dict(HAS_BIAS=bias, NORM=norm, **_tile_constexprs(config, rows, k)),
-            floats=("eps",), options=dict(num_warps=config.num_warps, num_stages=config.num_stages)))
+            dict(HAS_BIAS=bias, NORM=norm, **_tile_constexprs(config, rows, k), PDL=True),
+            floats=("eps",), options=dict(num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=True)))
     result += invariant_product_variants()
     result += moe_variants()
     for has_norm, fp8 in ((True, False), (False, False), (True, True)):
         result.append(Variant(
             f"rope+store norms={has_norm} fp8={fp8}", _rope_store_kernel,
             dict(cache, NUM_HEADS=16, NUM_KV_HEADS=8, BLOCK_HEADS=16, BLOCK_KV_HEADS=8, HAS_Q_NORM=has_norm,
-                 HAS_K_NORM=has_norm, IS_FP8=fp8),
+                 HAS_K_NORM=has_norm, IS_FP8=fp8, PDL=True),
             dict(positions_ptr="i64", cos_ptr="fp32", sin_ptr="fp32", slot_mapping_ptr="i64", **kv_types[fp8]),
-            ("eps",), options=dict(num_warps=4, enable_fp_fusion=False)))
+            ("eps",), options=dict(num_warps=4, enable_fp_fusion=False, launch_pdl=True)))
     return result
 
 
@@ -188,7 +189,9 @@ def compile_all() -> list[str]:
     for variant in variants():
         source = ASTSource(fn=variant.kernel, signature=variant.signature(), constexprs=variant.constexprs)
         compiled = triton.compile(source, target=GPUTarget(*SM90), options=variant.options)
-        lines.append(f"{variant.name}: {compiled.metadata.name}, {len(compiled.asm['cubin'])} bytes of cubin")
+        waits = compiled.asm["ptx"].count("griddepcontrol.wait")
+        lines.append(f"{variant.name}: {compiled.metadata.name}, {len(compiled.asm['cubin'])} bytes of cubin, "
+                     f"{waits} griddepcontrol.wait")
     return lines
 
 

@@ -27,3 +27,8 @@ def test_every_kernel_compiles_for_sm90(tmp_path: Path) -> None:
     compiled = [line.split(":")[0] for line in result.stdout.splitlines()]
     assert compiled == [variant.name for variant in variants()]
     assert all("bytes of cubin" in line for line in result.stdout.splitlines())
+    # Kernels launched with programmatic dependent launch wait for the previous kernel (layers/triton_pdl).
+    waits = {line.split(":")[0]: int(line.rsplit(", ", 1)[1].split()[0]) for line in result.stdout.splitlines()}
+    for variant in variants():
+        expected = 1 if variant.constexprs.get("PDL") else 0
+        assert waits[variant.name] == expected, f"{variant.name}: {waits[variant.name]} griddepcontrol.wait"

@@ -38,6 +38,7 @@ from worker_service.attention.triton_common import (
 )
 from worker_service.attention.triton_paging import load_page_ids, token_offsets
 from worker_service.layers.fused_kernels import num_sms
+from worker_service.layers.triton_pdl import pdl_options, wait_for_previous_kernel
 
 DECODE_BLOCK_N = 64  # context tokens per tile: 16 KiB of K (and of V) per tile at head_dim 128 in bf16
 DECODE_NUM_WARPS = 4
@@ -69,8 +70,10 @@ def _decode_kernel(
     stride_pl_seq, stride_pl_head,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, IS_FP8: tl.constexpr,
-    WIDEN_V_IN_REGISTERS: tl.constexpr,
+    WIDEN_V_IN_REGISTERS: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        wait_for_previous_kernel()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -159,8 +162,10 @@ def _merge_splits_kernel(
     stride_po_seq, stride_po_head, stride_po_split,
     stride_pl_seq, stride_pl_head,
     stride_o_tok, stride_o_head,
-    HEAD_DIM: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        wait_for_previous_kernel()
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_SPLITS)
@@ -260,7 +265,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, IS_SPLIT=is_split,
         DOT_PRECISION=dot_precision(compute_dtype(q, k_cache)), IS_FP8=fp8,
         WIDEN_V_IN_REGISTERS=fp8 and q.is_cuda,  # inline PTX: not under the CPU interpreter
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_options(q.device),
     )
     if is_split:
         _merge_splits_kernel[(num_seqs, num_heads)](
@@ -268,6 +273,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
             partial_lse.stride(0), partial_lse.stride(1),
             out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_SPLITS=triton.next_power_of_2(num_splits), num_warps=4,
+            HEAD_DIM=head_dim, BLOCK_SPLITS=triton.next_power_of_2(num_splits), num_warps=4, **pdl_options(q.device),
         )
     return out

@@ -29,6 +29,7 @@ from worker_service.attention.triton_common import (
     fp8_quantize,
     scale_operands,
 )
+from worker_service.layers.triton_pdl import pdl_options, wait_for_previous_kernel
 
 # Heads one program handles per step of its head loop: bounds the registers of the [heads, head_dim]
 # tiles (16 heads of 128 at a time) for models with many heads.
@@ -76,8 +77,10 @@ def _rope_store_kernel(
     stride_s_block, stride_s_tok, stride_s_head,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr,
     BLOCK_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, IS_FP8: tl.constexpr,
+    HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, IS_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        wait_for_previous_kernel()
     HALF_DIM: tl.constexpr = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
     dims = tl.arange(0, HALF_DIM)
@@ -174,7 +177,7 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         HAS_Q_NORM=q_norm_weight is not None, HAS_K_NORM=k_norm_weight is not None, IS_FP8=is_fp8(k_cache.dtype),
         # An FMA would skip the rounding of a product that the eager composition performs.
-        enable_fp_fusion=False, num_warps=4,
+        enable_fp_fusion=False, num_warps=4, **pdl_options(q.device),
     )
     return q_out
 

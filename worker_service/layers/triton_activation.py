@@ -11,11 +11,16 @@ import torch
 import triton
 import triton.language as tl
 
+from worker_service.layers.triton_pdl import pdl_options, wait_for_previous_kernel
+
 BLOCK_COLUMNS = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, width, stride_x_row, stride_out_row, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, width, stride_x_row, stride_out_row, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    if PDL:
+        wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = columns < width
@@ -37,5 +42,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows.shape[0], width), dtype=x.dtype, device=x.device)
     if rows.shape[0] and width:
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(width, BLOCK_COLUMNS))](
-            rows, out, width, rows.stride(0), out.stride(0), BLOCK=BLOCK_COLUMNS, num_warps=4)
+            rows, out, width, rows.stride(0), out.stride(0), BLOCK=BLOCK_COLUMNS, num_warps=4,
+            **pdl_options(x.device))
     return out.view(*x.shape[:-1], width)

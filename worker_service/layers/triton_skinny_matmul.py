@@ -30,6 +30,7 @@ from torch import nn
 
 from worker_service.layers.linear import MergedColumnLinear, compose_normed_linear, reference_linear
 from worker_service.layers.norm import RMSNorm
+from worker_service.layers.triton_pdl import pdl_options, wait_for_previous_kernel
 
 MAX_ROWS = 16  # the most rows of x the kernel takes; more go to cuBLAS, which is efficient there
 DTYPES = (torch.bfloat16, torch.float16)
@@ -74,7 +75,9 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, residual_ptr, norm_w_
                           stride_x_row, stride_w_row, stride_out_row, stride_residual_row, stride_sum_row,
                           HAS_BIAS: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
-                          ONE_PASS: tl.constexpr):
+                          ONE_PASS: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        wait_for_previous_kernel()
     # NORM: 0 the product of x, 1 of rms_norm(x), 2 of rms_norm(x + residual) (x + residual -> sum_ptr).
     columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
     # The last program's rows past N re-read row N - 1 (unmasked loads); their results are not stored.
@@ -229,7 +232,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
             residual_rows.stride(0) if residual_rows is not None else 0,
             total.stride(0) if total is not None else 0,
             HAS_BIAS=bias is not None, NORM=0 if norm is None else 1 if residual is None else 2,
-            **_tile_constexprs(config, m, k), num_warps=config.num_warps, num_stages=config.num_stages)
+            **_tile_constexprs(config, m, k), num_warps=config.num_warps, num_stages=config.num_stages,
+            **pdl_options(x.device))
     return product.view(*x.shape[:-1], n), total.view(x.shape) if total is not None else x
 
 
