@@ -63,6 +63,15 @@ def _load_rows(x_ptr, residual_ptr, rows, ks, mask, stride_x_row, stride_residua
 
 
 @triton.jit
+def _load_weight_tile(w_ptr, w_rows, offsets, k, K, stride_w_row, EVEN_K: tl.constexpr):
+    """W[w_rows, k:k + BLOCK_K], zeros past K."""
+    w_ptrs = w_ptr + w_rows[:, None] * stride_w_row + (k + offsets)[None, :]
+    if EVEN_K:
+        return tl.load(w_ptrs)
+    return tl.load(w_ptrs, mask=(k + offsets)[None, :] < K, other=0.0)
+
+
+@triton.jit
 def _normalize(x, rstd, norm_w_ptr, ks, mask):
     """x times rstd (each row's 1 / rms) and the norm's weight, rounded as the eager norm rounds."""
     normed = (x.to(tl.float32) * rstd).to(x.dtype)
@@ -76,8 +85,6 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, residual_ptr, norm_w_
                           HAS_BIAS: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
                           ONE_PASS: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        wait_for_previous_kernel()
     # NORM: 0 the product of x, 1 of rms_norm(x), 2 of rms_norm(x + residual) (x + residual -> sum_ptr).
     columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
     # The last program's rows past N re-read row N - 1 (unmasked loads); their results are not stored.
@@ -85,6 +92,12 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, residual_ptr, norm_w_
     rows = tl.arange(0, BLOCK_M)  # rows of x
     offsets = tl.arange(0, BLOCK_K)
     first = tl.program_id(0) == 0
+    if ONE_PASS:
+        # The weight tile (all of K) is issued before the wait: no kernel writes weights, so under PDL
+        # its read overlaps the previous kernel's tail (a decode step's products start loaded).
+        w_tile = _load_weight_tile(w_ptr, w_rows, offsets, 0, K, stride_w_row, EVEN_K)
+    if PDL:
+        wait_for_previous_kernel()
     # With a norm every program normalises the rows itself (a few KB from L2), and the first one
     # writes x + residual, the residual stream the next layer adds back. ONE_PASS (the CUDA-core path
     # with all of K in one tile: Qwen3-0.6B's and -8B's norms) takes each row's rms from the tile it
@@ -101,11 +114,10 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, residual_ptr, norm_w_
         rstd = tl.math.rsqrt(rstd / K + eps)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # acc[n, m] = y[m, n]
     for k in range(0, K, BLOCK_K):
-        w_ptrs = w_ptr + w_rows[:, None] * stride_w_row + (k + offsets)[None, :]
-        if EVEN_K:
-            w = tl.load(w_ptrs)
+        if ONE_PASS:
+            w = w_tile
         else:
-            w = tl.load(w_ptrs, mask=(k + offsets)[None, :] < K, other=0.0)
+            w = _load_weight_tile(w_ptr, w_rows, offsets, k, K, stride_w_row, EVEN_K)
         if USE_DOT:
             ks = (k + offsets)[None, :]
             x_mask = (rows[:, None] < M) & (ks < K)
