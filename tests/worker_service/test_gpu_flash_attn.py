@@ -22,7 +22,7 @@ if torch.cuda.is_available():
         random_lengths,
         reference,
     )
-    from worker_service.attention import get_attention_backend
+    from worker_service.attention import default_backend_name, get_attention_backend
 
 
 class CountingFlash:
@@ -90,3 +90,9 @@ def test_what_flash_attention_does_not_take_is_the_triton_backends(dtype: torch.
                                                     128 ** -0.5)
     assert flash.calls == 0
     assert torch.equal(out, triton)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9, reason="not a Hopper GPU")
+def test_flash_attn_is_the_default_on_hopper() -> None:
+    assert default_backend_name(torch.device("cuda")) == "flash-attn"
+    assert default_backend_name(torch.device("cuda"), deterministic=True) == "triton-invariant"

@@ -13,6 +13,7 @@ sequence and head.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import random
 from dataclasses import dataclass
@@ -378,7 +379,9 @@ def test_prefill_float32() -> None:
 # ---------------------------------------------------------------------------------------------- backend
 
 
-def test_triton_is_the_cuda_default() -> None:
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None,
+                    reason="flash-attn-4 installed: its default is tested in test_gpu_flash_attn.py")
+def test_triton_is_the_cuda_default_without_flash_attn() -> None:
     assert default_backend_name(torch.device("cuda")) == "triton"
     assert get_attention_backend("triton").name == "triton"
 
