@@ -4,14 +4,20 @@ asking for the backend is a configuration error that says how to install it."""
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("triton")  # the backend runs the Triton kernels for what FlashAttention does not
 
+from tests.services_harness import run_cli  # noqa: E402
+from tests.tiny_models import make_tiny_checkpoint  # noqa: E402
 from worker_service.attention import available_backends, get_attention_backend  # noqa: E402
 from worker_service.attention.flash_attn_backend import FLASH_PAGE_SIZE, as_pages, page_tables  # noqa: E402
+
+needs_missing_package = pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None,
+                                           reason="flash-attn-4 is installed here")
 
 
 def tokens_by_table(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
@@ -39,9 +45,19 @@ def test_pages_address_the_same_tokens_as_blocks(block_size: int) -> None:
                                tokens_by_table(cache, tables[row], length))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn-4 is installed here")
+@needs_missing_package
 def test_missing_package_is_a_configuration_error_naming_the_extra() -> None:
     assert "flash-attn" in available_backends()
     with pytest.raises(ValueError, match=r"attention_backend: flash-attn needs the flash-attn-4 package .*"
                                          r"nanovllm-grpc\[flash-attn\].*--attention-backend triton"):
         get_attention_backend("flash-attn")
+
+
+@needs_missing_package
+def test_the_worker_exits_2_with_one_line_saying_what_to_install(tmp_path: Path) -> None:
+    model = make_tiny_checkpoint(tmp_path, "qwen3", seed=1)
+    result = run_cli("worker", "--model", str(model), "--device", "cpu", "--attention-backend", "flash-attn")
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("nanovllm worker: attention_backend: flash-attn needs the flash-attn-4 package")
+    assert "pip install 'nanovllm-grpc[flash-attn]'" in line
