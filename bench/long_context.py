@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.memory_floor import kv_bytes_per_token, weight_bytes  # noqa: E402
+from bench.memory_floor import attention_params, dense_mlp_params, kv_bytes_per_token, weight_bytes  # noqa: E402
 from bench.single_stream import run  # noqa: E402
 from worker_service.models.config import ModelConfig  # noqa: E402
 
@@ -29,16 +29,15 @@ BANDWIDTH = 4.3e12
 
 
 def prefill_flops(config: ModelConfig, prompt_len: int) -> float:
-    hidden, head_dim = config.hidden_size, config.head_dim
-    per_layer = (hidden * head_dim * (2 * config.num_heads + 2 * config.num_kv_heads)
-                 + 3 * hidden * config.intermediate_size)
-    products = 2 * config.num_layers * per_layer * prompt_len
+    """A dense model's prefill: its products, causal attention, the output head for one token."""
+    products = 2 * config.num_layers * (attention_params(config) + dense_mlp_params(config)) * prompt_len
     pairs = prompt_len * (prompt_len + 1) / 2
-    attention = 4 * config.num_layers * config.num_heads * head_dim * pairs
-    return products + attention + 2 * hidden * config.vocab_size
+    attention = 4 * config.num_layers * config.num_heads * config.head_dim * pairs
+    return products + attention + 2 * config.hidden_size * config.vocab_size
 
 
-def decode_floor_seconds(config: ModelConfig, context: int) -> float:
+def decode_step_floor_seconds(config: ModelConfig, context: int) -> float:
+    """One sequence's decode step at context: the weights and its K/V read once."""
     dense, _ = weight_bytes(config)
     return (dense + context * kv_bytes_per_token(config, fp8=False)) / BANDWIDTH
 
@@ -64,7 +63,7 @@ def measure(model: Path, backend: str, args: argparse.Namespace, config: ModelCo
         ttft = run(llm, prompt(args.decode_context), 1)
         total = run(llm, prompt(args.decode_context), args.output_len + 1)
         itl = (total - ttft) / args.output_len
-        floor = decode_floor_seconds(config, args.decode_context + args.output_len // 2)
+        floor = decode_step_floor_seconds(config, args.decode_context + args.output_len // 2)
         print(f"{backend:>10}  decode at {args.decode_context} of context: {itl * 1e3:.3f} ms a token over "
               f"{args.output_len}, memory floor {floor * 1e3:.3f} ms ({itl / floor:.2f}x it)", flush=True)
 

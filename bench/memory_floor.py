@@ -15,11 +15,20 @@ from bisect import bisect_right
 from worker_service.models.config import ModelConfig
 
 
+def attention_params(config: ModelConfig) -> int:
+    """One layer's q, k, v and o projections."""
+    return config.hidden_size * config.head_dim * (2 * config.num_heads + 2 * config.num_kv_heads)
+
+
+def dense_mlp_params(config: ModelConfig) -> int:
+    """One dense layer's gate, up and down projections."""
+    return 3 * config.hidden_size * config.intermediate_size
+
+
 def weight_bytes(config: ModelConfig, dtype_bytes: int = 2) -> tuple[float, float]:
     """(bytes of the weights every iteration reads, bytes of one expert's three matrices)."""
-    hidden, head_dim = config.hidden_size, config.head_dim
-    attention = hidden * head_dim * (2 * config.num_heads + 2 * config.num_kv_heads)
-    dense_mlp = 3 * hidden * config.intermediate_size
+    hidden = config.hidden_size
+    attention, dense_mlp = attention_params(config), dense_mlp_params(config)
     router = config.num_experts * hidden
     per_layer = [attention + 2 * hidden + (router if config.is_moe_layer(layer) else dense_mlp)
                  for layer in range(config.num_layers)]

@@ -3,7 +3,6 @@
 asking for the backend is a configuration error that says how to install it."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -13,11 +12,11 @@ pytest.importorskip("triton")  # the backend runs the Triton kernels for what Fl
 
 from tests.services_harness import run_cli  # noqa: E402
 from tests.tiny_models import make_tiny_checkpoint  # noqa: E402
+from tests.worker_service.triton_runtime import FLASH_ATTN_INSTALLED  # noqa: E402
 from worker_service.attention import available_backends, get_attention_backend  # noqa: E402
 from worker_service.attention.flash_attn_backend import FLASH_PAGE_SIZE, as_pages, page_tables  # noqa: E402
 
-needs_missing_package = pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None,
-                                           reason="flash-attn-4 is installed here")
+needs_missing_package = pytest.mark.skipif(FLASH_ATTN_INSTALLED, reason="flash-attn-4 is installed here")
 
 
 def tokens_by_table(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:

@@ -4,25 +4,25 @@ head_dim 64 and 128, long chunks over long cached prefixes), and what it leaves 
 (decode-only batches, float32) bit for bit the Triton backend's."""
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-              pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="needs flash-attn-4")]
+from tests.worker_service.triton_runtime import FLASH_ATTN_INSTALLED
 
-if torch.cuda.is_available():
-    from tests.worker_service.test_triton_attention import (
-        PagedBatch,
-        assert_matches,
-        make_batch,
-        prefill_cases,
-        random_lengths,
-        reference,
-    )
-    from worker_service.attention import default_backend_name, get_attention_backend
+if not torch.cuda.is_available() or not FLASH_ATTN_INSTALLED:
+    pytest.skip("needs a CUDA device and flash-attn-4", allow_module_level=True)
+
+from tests.worker_service.test_triton_attention import (  # noqa: E402
+    PagedBatch,
+    assert_matches,
+    make_batch,
+    prefill_cases,
+    random_lengths,
+    reference,
+)
+from worker_service.attention import default_backend_name, get_attention_backend  # noqa: E402
+
+pytestmark = pytest.mark.gpu
 
 
 class CountingFlash:
@@ -92,7 +92,7 @@ def test_what_flash_attention_does_not_take_is_the_triton_backends(dtype: torch.
     assert torch.equal(out, triton)
 
 
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9, reason="not a Hopper GPU")
+@pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="not a Hopper GPU")
 def test_flash_attn_is_the_default_on_hopper() -> None:
     assert default_backend_name(torch.device("cuda")) == "flash-attn"
     assert default_backend_name(torch.device("cuda"), deterministic=True) == "triton-invariant"

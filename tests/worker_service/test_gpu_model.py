@@ -5,7 +5,6 @@ through prefill and through graph-replayed decode steps. The flash-attn backend 
 installed) in the same bf16 check, eager so that its prefills are FlashAttention's."""
 from __future__ import annotations
 
-import importlib.util
 import random
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch
 from common import SamplingParams
 from common.contract.config import WorkerConfig
 from tests.tiny_models import hf_greedy_generate, make_tiny_checkpoint
+from tests.worker_service.triton_runtime import FLASH_ATTN_INSTALLED
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -30,7 +30,7 @@ MODELS = {
                               num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128),
 }
 NUM_NEW_TOKENS = 64
-needs_flash_attn = pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="needs flash-attn-4")
+needs_flash_attn = pytest.mark.skipif(not FLASH_ATTN_INSTALLED, reason="needs flash-attn-4")
 
 
 @pytest.fixture(scope="module", params=list(MODELS))

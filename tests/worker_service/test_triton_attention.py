@@ -13,7 +13,6 @@ sequence and head.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import random
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.worker_service.triton_runtime import DEVICE, INTERPRET, skip_module_unless_kernels_run
+from tests.worker_service.triton_runtime import DEVICE, FLASH_ATTN_INSTALLED, INTERPRET, skip_module_unless_kernels_run
 
 skip_module_unless_kernels_run()
 
@@ -379,8 +378,7 @@ def test_prefill_float32() -> None:
 # ---------------------------------------------------------------------------------------------- backend
 
 
-@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None,
-                    reason="flash-attn-4 installed: its default is tested in test_gpu_flash_attn.py")
+@pytest.mark.skipif(FLASH_ATTN_INSTALLED, reason="flash-attn-4 installed: its default is in test_gpu_flash_attn.py")
 def test_triton_is_the_cuda_default_without_flash_attn() -> None:
     assert default_backend_name(torch.device("cuda")) == "triton"
     assert get_attention_backend("triton").name == "triton"

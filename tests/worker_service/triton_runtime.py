@@ -22,6 +22,8 @@ if not torch.cuda.is_available() and INTERPRETER_WORKS:
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+# The flash-attn backend's package (flash-attn-4; its kernels need a Hopper or newer GPU).
+FLASH_ATTN_INSTALLED = importlib.util.find_spec("flash_attn") is not None
 
 
 def skip_module_unless_kernels_run() -> None:

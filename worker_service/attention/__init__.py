@@ -90,7 +90,7 @@ def default_backend_name(device: torch.device, is_quantized: bool = False, deter
 
 def flash_attn_runs_on(device: torch.device) -> bool:
     """Whether the flash-attn backend is the better default on device: a Hopper GPU (where it was
-    measured: prefill attention 1.1-1.4x the Triton kernel's rate, bench/results/2026-12-02-h200-flash-attn-pdl.md)
+    measured: prefill attention 1.08-1.47x the Triton kernel's rate, bench/results/2026-12-02-h200-flash-attn-pdl.md)
     with the flash-attn-4 package installed."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability(device)[0] != 9:
         return False

@@ -24,19 +24,23 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 ENABLED = True  # benchmarks switch it off for an A/B in one process, before the first launch
 
 
+_OFF = {"PDL": False}
+_ON = {"PDL": True, "launch_pdl": True}
+
+
 @functools.cache
-def _device_supports_pdl(device_index: int) -> bool:
-    return (os.environ.get("TRITON_INTERPRET", "0") != "1"
-            and torch.cuda.get_device_capability(device_index) >= (9, 0))
+def _options_on(device: torch.device) -> dict[str, bool]:
+    supported = (os.environ.get("TRITON_INTERPRET", "0") != "1"
+                 and torch.cuda.get_device_capability(device) >= (9, 0))
+    return _ON if supported else _OFF
 
 
 def pdl_options(device: torch.device) -> dict[str, bool]:
-    """The launch options of a PDL-aware kernel on device: its PDL constexpr and Triton's launch_pdl."""
+    """The launch options of a PDL-aware kernel on device (its PDL constexpr and Triton's launch_pdl),
+    looked up once per device: this runs at every launch. Callers unpack it and never change it."""
     if not ENABLED or device.type != "cuda":
-        return {"PDL": False}
-    if _device_supports_pdl(torch.cuda.current_device() if device.index is None else device.index):
-        return {"PDL": True, "launch_pdl": True}
-    return {"PDL": False}
+        return _OFF
+    return _options_on(device)
 
 
 @triton.jit

@@ -47,12 +47,11 @@ class KVCacheSpec:
         it is fp8, its scales."""
         # Zeros: every slot is written before it is read, but kernels that load whole pages (flash-attn's
         # TMA tiles) read a partly used page's rows past its sequence, and 0 * NaN would be NaN.
-        allocate = torch.zeros
-        kv_cache = allocate((self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim),
-                            dtype=self.dtype, device=device)
+        kv_cache = torch.zeros((self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim),
+                               dtype=self.dtype, device=device)
         kv_scales = None
         if is_fp8(self.dtype):
-            kv_scales = allocate_scales(allocate, (self.num_layers, 2, num_blocks), self.block_size,
+            kv_scales = allocate_scales(torch.zeros, (self.num_layers, 2, num_blocks), self.block_size,
                                         self.num_kv_heads, device)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
                     num_blocks * self.bytes_per_block / 2**20)
