@@ -41,8 +41,11 @@ from worker_service.attention.kv_quant import dequantize, head_scales, quantize 
 from worker_service.attention.triton_decode import (  # noqa: E402
     DECODE_BLOCK_N,
     DECODE_NUM_STAGES,
+    MAX_NUM_SPLITS,
     choose_num_splits,
+    decode_counters_numel,
     decode_num_warps,
+    decode_workspace_numel,
     paged_decode,
 )
 from worker_service.attention.triton_prefill import paged_prefill  # noqa: E402
@@ -81,6 +84,12 @@ def bench_ms(fn: Callable[[], object]) -> float:
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def decode_scratch(batch: int, splits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split decode's workspace and zero-filled counters, made once outside the timed calls."""
+    return (torch.empty(decode_workspace_numel(batch, NUM_HEADS, HEAD_DIM, splits), dtype=torch.float32, device=device),
+            torch.zeros(decode_counters_numel(batch, NUM_KV_HEADS, splits), dtype=torch.int32, device=device))
 
 
 def paged_copy(k: torch.Tensor, v: torch.Tensor, block_size: int) -> tuple[torch.Tensor, ...]:
@@ -171,11 +180,12 @@ def decode_rows(block_size: int, batch: int, context: int, device: torch.device,
         kv_bytes = 2 * batch * context * NUM_KV_HEADS * (HEAD_DIM + 4)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     splits = choose_num_splits(batch, NUM_KV_HEADS, context, device)
-    workspace = torch.empty(batch * NUM_HEADS * splits * (HEAD_DIM + 1), dtype=torch.float32, device=device)
+    workspace, counters = decode_scratch(batch, splits, device)
     out = torch.empty_like(q)
 
     def run() -> torch.Tensor:
-        return paged_decode(q, k_cache, v_cache, tables, seq_lens, SCALE, splits, workspace, out, **scales)
+        return paged_decode(q, k_cache, v_cache, tables, seq_lens, SCALE, splits, workspace, out, counters=counters,
+                                **scales)
 
     starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
 
@@ -213,7 +223,7 @@ def random_length_rows(device: torch.device, num_seqs: int = 256, lengths: tuple
     seq_lens = seq_lens_list.to(torch.int32).to(device)
     mask = (torch.arange(context, device=device)[None, :] < seq_lens[:, None].long())[:, None, None, :]
     splits = choose_num_splits(num_seqs, NUM_KV_HEADS, context, device)
-    workspace = torch.empty(num_seqs * NUM_HEADS * splits * (HEAD_DIM + 1), dtype=torch.float32, device=device)
+    workspace, counters = decode_scratch(num_seqs, splits, device)
     out = torch.empty_like(q)
     tokens = int(seq_lens_list.sum())
     fp8_k, fp8_v, scales, k_seen, v_seen = fp8_caches(k_cache, v_cache, tables, context)
@@ -223,7 +233,8 @@ def random_length_rows(device: torch.device, num_seqs: int = 256, lengths: tuple
     rows = []
     for name, keys, values, scale_args, k_ref, v_ref, bytes_per_head in cases:
         def run(keys=keys, values=values, scale_args=scale_args) -> torch.Tensor:
-            return paged_decode(q, keys, values, tables, seq_lens, SCALE, splits, workspace, out, **scale_args)
+            return paged_decode(q, keys, values, tables, seq_lens, SCALE, splits, workspace, out, counters=counters,
+                                **scale_args)
 
         reference = F.scaled_dot_product_attention(q[:, :, None], k_ref.transpose(1, 2), v_ref.transpose(1, 2),
                                                    attn_mask=mask, scale=SCALE, enable_gqa=True)[:, :, 0]
@@ -297,14 +308,15 @@ def sweep_decode(block_size: int, batch: int, context: int, device: torch.device
         reference = sdpa(q[:, :, None], k_seen.transpose(1, 2), v_seen.transpose(1, 2), False)()[:, :, 0]
     chosen = choose_num_splits(batch, NUM_KV_HEADS, context, device)
     configs = [(splits, DECODE_BLOCK_N, decode_num_warps(fp8), DECODE_NUM_STAGES)
-               for splits in sorted({1, 2, 4, 8, 16, 32, chosen})]
+               for splits in sorted({1, 2, 4, 8, 16, 32, MAX_NUM_SPLITS, chosen})]
+    workspace, counters = decode_scratch(batch, MAX_NUM_SPLITS, device)
     configs += [(chosen, block_n, num_warps, num_stages) for block_n in (32, 64, 128) for num_warps in (1, 2, 4, 8)
                 for num_stages in (1, 2, 3, 4)]
     lines = []
     for splits, block_n, num_warps, num_stages in configs:
         def run(s: int = splits, n: int = block_n, w: int = num_warps, st: int = num_stages) -> torch.Tensor:
-            return paged_decode(q, k_cache, v_cache, tables, seq_lens, SCALE, s, block_n=n, num_warps=w,
-                                num_stages=st, **scales)
+            return paged_decode(q, k_cache, v_cache, tables, seq_lens, SCALE, s, workspace, counters=counters,
+                                block_n=n, num_warps=w, num_stages=st, **scales)
 
         name = (f"decode{'-fp8' if fp8 else ''} bs={block_size:>3} b={batch:>3} ctx={context} splits={splits:>2}"
                 f"{'*' if splits == chosen else ' '} n={block_n:>3} w={num_warps} st={num_stages}")

@@ -46,7 +46,6 @@ def variants() -> list[Variant]:
         DECODE_BLOCK_N,
         DECODE_NUM_STAGES,
         _decode_kernel,
-        _merge_splits_kernel,
         decode_num_warps,
     )
     from worker_service.attention.triton_prefill import _prefill_kernel
@@ -64,15 +63,13 @@ def variants() -> list[Variant]:
                                   "v_scale_ptr": "fp32"}}
     result = [
         Variant(f"decode split={is_split} fp8={fp8}", _decode_kernel,
-                dict(cache, GROUP=2, BLOCK_H=16, BLOCK_N=DECODE_BLOCK_N, IS_SPLIT=is_split, DOT_PRECISION="tf32",
-                     IS_FP8=fp8, WIDEN_V_IN_REGISTERS=fp8, PDL=True),
-                dict(tables, partial_out_ptr="fp32", partial_lse_ptr="fp32", **kv_types[fp8]),
+                dict(cache, GROUP=2, BLOCK_H=16, BLOCK_N=DECODE_BLOCK_N, IS_SPLIT=is_split, BLOCK_SPLITS=4,
+                     DOT_PRECISION="tf32", IS_FP8=fp8, WIDEN_V_IN_REGISTERS=fp8, PDL=True),
+                dict(tables, partial_out_ptr="fp32", partial_lse_ptr="fp32", counters_ptr="i32", **kv_types[fp8]),
                 ("scale_log2",),
                 options=dict(num_warps=decode_num_warps(fp8), num_stages=DECODE_NUM_STAGES, launch_pdl=True))
         for fp8 in (False, True) for is_split in (False, True)
     ]
-    result.append(Variant("merge splits", _merge_splits_kernel, dict(HEAD_DIM=128, BLOCK_SPLITS=4, PDL=True),
-                          dict(partial_out_ptr="fp32", partial_lse_ptr="fp32"), options=dict(launch_pdl=True)))
     for fp8 in (False, True):
         result += [
             *(Variant(f"prefill fp8={fp8} one_pass={one_pass} block_m={block_m}", _prefill_kernel,
@@ -189,9 +186,10 @@ def compile_all() -> list[str]:
     for variant in variants():
         source = ASTSource(fn=variant.kernel, signature=variant.signature(), constexprs=variant.constexprs)
         compiled = triton.compile(source, target=GPUTarget(*SM90), options=variant.options)
-        waits = compiled.asm["ptx"].count("griddepcontrol.wait")
+        ptx = compiled.asm["ptx"]
         lines.append(f"{variant.name}: {compiled.metadata.name}, {len(compiled.asm['cubin'])} bytes of cubin, "
-                     f"{waits} griddepcontrol.wait")
+                     f"{ptx.count('atom.global.gpu.acq_rel')} acq_rel atomics, "
+                     f"{ptx.count('griddepcontrol.wait')} griddepcontrol.wait")
     return lines
 
 

@@ -28,6 +28,7 @@ from worker_service.attention import default_backend_name, get_attention_backend
 from worker_service.attention.base import AttentionMetadata  # noqa: E402
 from worker_service.attention.triton_decode import (  # noqa: E402
     choose_num_splits,
+    decode_counters_numel,
     decode_workspace_numel,
     paged_decode,
 )
@@ -251,6 +252,7 @@ def test_decode_step_replays_in_a_cuda_graph() -> None:
     backend = get_attention_backend("triton")
     num_splits = choose_num_splits(num_seqs, kv_heads, max_model_len, DEVICE)
     workspace = torch.empty(decode_workspace_numel(num_seqs, heads, head_dim, num_splits), device=DEVICE)
+    counters = torch.zeros(decode_counters_numel(num_seqs, kv_heads, num_splits), dtype=torch.int32, device=DEVICE)
     num_blocks = num_seqs * max_model_len // block_size
     shape = (num_blocks, block_size, kv_heads, head_dim)
     k_cache = torch.randn(shape, device=DEVICE, dtype=LOW)
@@ -266,7 +268,8 @@ def test_decode_step_replays_in_a_cuda_graph() -> None:
     metadata = AttentionMetadata(
         slot_mapping=static["slots"], query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=DEVICE),
         seq_lens=static["seq_lens"], block_tables=static["tables"], max_query_len=1, max_seq_len=max_model_len,
-        block_size=block_size, decode_num_splits=num_splits, decode_workspace=workspace)
+        block_size=block_size, decode_num_splits=num_splits, decode_workspace=workspace,
+        decode_counters=counters)
     scale = head_dim ** -0.5
 
     def step() -> torch.Tensor:

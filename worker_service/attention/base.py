@@ -35,9 +35,12 @@ class AttentionMetadata:
     # captured batch size, so that every replay launches the same grid on the same buffers:
     # decode_num_splits from triton_decode.choose_num_splits(batch_size, num_kv_heads, max_model_len),
     # decode_workspace a float32 tensor of at least triton_decode.decode_workspace_numel(batch_size,
-    # num_heads, head_dim, decode_num_splits) elements, shareable by all layers and all graphs.
+    # num_heads, head_dim, decode_num_splits) elements and decode_counters a zero-filled int32 one of
+    # at least decode_counters_numel(batch_size, num_kv_heads, decode_num_splits), both shareable by
+    # all layers and all graphs.
     decode_num_splits: int | None = None  # KV splits per sequence in the decode kernel
     decode_workspace: torch.Tensor | None = None  # float32 scratch for the splits' partial results
+    decode_counters: torch.Tensor | None = None  # int32: each (sequence, KV head)'s splits done
 
     @property
     def num_seqs(self) -> int:
