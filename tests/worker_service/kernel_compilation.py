@@ -102,7 +102,13 @@ def variants() -> list[Variant]:
         config = _config(rows, n, k)
         result.append(Variant(
             f"skinny matmul rows={rows} n={n} k={k} norm={norm}", _skinny_matmul_kernel,
-            dict(HAS_BIAS=bias, NORM=norm, **_tile_constexprs(config, rows, k), PDL=True),
+            dict(HAS_BIAS=bias, NORM=norm, GATED=False, **_tile_constexprs(config, rows, k), PDL=True),
+            floats=("eps",), options=dict(num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=True)))
+    for rows in (1, 4, 16):  # down_proj with SiLU-and-mul in its prologue, as the MLP runs it
+        config = _config(rows, 1024, 3072)
+        result.append(Variant(
+            f"skinny matmul rows={rows} n=1024 k=3072 gated", _skinny_matmul_kernel,
+            dict(HAS_BIAS=False, NORM=0, GATED=True, **_tile_constexprs(config, rows, 3072), PDL=True),
             floats=("eps",), options=dict(num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=True)))
     result += invariant_product_variants()
     result += moe_variants()

@@ -14,13 +14,15 @@ from tests.worker_service.triton_runtime import DEVICE, INTERPRET, skip_module_u
 
 skip_module_unless_kernels_run()
 
-from worker_service.layers import linear, norm  # noqa: E402
+from worker_service.layers import activation, linear, norm  # noqa: E402
 from worker_service.layers import triton_skinny_matmul as skinny  # noqa: E402
+from worker_service.layers.triton_activation import silu_and_mul  # noqa: E402
 from worker_service.layers.triton_skinny_matmul import (  # noqa: E402
     MAX_ROWS,
     SkinnyConfig,
     skinny_linear,
     skinny_norm_linear,
+    skinny_silu_linear,
     use_skinny,
 )
 
@@ -151,6 +153,56 @@ def test_normed_linear_takes_the_kernel_for_column_parallel_layers_on_gpus(monke
     out, total = linear.normed_linear(x, residual, rms, layer)
     fused_out, fused_total = skinny_norm_linear(x, residual, rms.weight, rms.eps, layer.weight)
     assert torch.equal(out, fused_out) and torch.equal(total, fused_total)
+
+
+# SiLU-and-mul in the prologue: the CUDA-core path in one K step and in several masked ones, the
+# tensor-core path in several; on a GPU _config's choices at Qwen3-0.6B's down_proj (K = 3072).
+GATED_CASES = [(1, 40, 64, SkinnyConfig(8, 64, 4, 1, False)), (2, 24, 200, SkinnyConfig(8, 64, 4, 1, False)),
+               (5, 40, 96, SkinnyConfig(16, 32, 4, 2, True))]
+if not INTERPRET:
+    GATED_CASES += [(1, 1024, 3072, None), (2, 1024, 3072, None), (4, 1024, 3072, None), (16, 1024, 3072, None)]
+
+
+@pytest.mark.parametrize(("m", "n", "k", "config"), GATED_CASES)
+def test_silu_and_mul_in_the_prologue_is_the_activation_then_the_product(m: int, n: int, k: int,
+                                                                         config: SkinnyConfig | None) -> None:
+    """Bit for bit the Triton activation kernel's output through the same product."""
+    dtype = torch.float16 if INTERPRET else torch.bfloat16
+    gate_up, weight, bias = inputs(m, n, 2 * k, dtype, has_bias=True, seed=k)
+    weight = weight[:, :k].contiguous()
+    activated = silu_and_mul(gate_up)
+    out = skinny_silu_linear(gate_up, weight, bias, config)
+    assert torch.equal(out, skinny_linear(activated, weight, bias, config))
+    check_close(out, activation.silu_and_mul(gate_up), weight, bias)
+    assert skinny_silu_linear(gate_up.view(1, m, 2 * k), weight).shape == (1, m, n)
+
+
+def test_silu_and_mul_linear_composes_on_the_cpu_and_for_other_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU entry hands CPU tensors, float32 and layers other than an unsharded RowLinear to the
+    activation and then the layer (the kernel is never called): the same bits as the composition."""
+    monkeypatch.setitem(linear.KERNELS, "silu_and_mul_linear", skinny.silu_and_mul_linear)
+
+    def kernel(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the fused kernel got a call it must not take")
+
+    monkeypatch.setattr(skinny, "skinny_silu_linear", kernel)
+    for dtype in (torch.bfloat16, torch.float32):
+        gate_up = torch.randn(2, 128).to(dtype)
+        for layer in (linear.RowLinear(64, 32).to(dtype), linear.MergedColumnLinear(64, [16, 16]).to(dtype)):
+            layer.weight.data.normal_()
+            expected = layer(activation.silu_and_mul(gate_up))
+            assert torch.equal(linear.silu_and_mul_linear(gate_up, layer), expected)
+
+
+@on_gpu
+def test_silu_and_mul_linear_takes_the_kernel_for_row_linear_on_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(linear.KERNELS, "silu_and_mul_linear", skinny.silu_and_mul_linear)
+    layer = linear.RowLinear(3072, 1024).to(device="cuda", dtype=torch.bfloat16)
+    layer.weight.data.normal_(std=1 / 64)
+    gate_up = torch.randn(1, 6144, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(linear.silu_and_mul_linear(gate_up, layer), skinny_silu_linear(gate_up, layer.weight))
+    many = torch.randn(32, 6144, device="cuda", dtype=torch.bfloat16)  # past MAX_ROWS: the composition
+    assert torch.equal(linear.silu_and_mul_linear(many, layer), linear.compose_silu_and_mul_linear(many, layer))
 
 
 def test_configs_fit_the_shapes() -> None:

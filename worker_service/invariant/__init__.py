@@ -58,6 +58,7 @@ def enable(device: torch.device) -> None:
         return
     _swap(linear.KERNELS, "linear", _by_device(cpu_products.linear, "linear"))
     _swap(linear.KERNELS, "normed_linear", _by_device(linear.compose_normed_linear, "normed_linear"))
+    _swap(linear.KERNELS, "silu_and_mul_linear", linear.compose_silu_and_mul_linear)  # through row_linear's
     _swap(linear.KERNELS, "row_linear", _by_device(cpu_products.row_linear, "row_linear"))
     _swap(linear.KERNELS, "lm_head", _by_device(cpu_products.linear, "linear"))
     gpu_silu = activation.KERNELS["silu_and_mul"]  # elementwise on GPUs: already invariant

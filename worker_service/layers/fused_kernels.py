@@ -51,9 +51,10 @@ def enable() -> None:
                                             norm.add_rms_norm)
     activation.KERNELS["silu_and_mul"] = _on_gpus(triton_activation.silu_and_mul, activation.silu_and_mul)
     moe.KERNELS["experts"] = _on_gpus(triton_moe.fused_experts, moe.reference_experts)
-    # These two send CPU tensors to the reference themselves (use_skinny).
+    # These send CPU tensors to the reference themselves (use_skinny).
     linear.KERNELS["linear"] = triton_skinny_matmul.linear
     linear.KERNELS["normed_linear"] = triton_skinny_matmul.normed_linear
+    linear.KERNELS["silu_and_mul_linear"] = triton_skinny_matmul.silu_and_mul_linear
     _enabled = True
     logger.info("fused elementwise kernels enabled (Triton, torch.compile)")
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker_service.layers import activation
 from worker_service.parallel.distributed import all_reduce, partial_sum_buffer, tp_rank, tp_size
 
 if TYPE_CHECKING:
@@ -64,6 +65,16 @@ def compose_normed_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: 
     return layer(normed), total
 
 
+def silu_and_mul_linear(gate_up: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """layer(silu_and_mul(gate_up)): a gated MLP's activation and its down product. On GPUs decode-sized
+    inputs of an unsharded layer take one kernel (KERNELS["silu_and_mul_linear"])."""
+    return KERNELS["silu_and_mul_linear"](gate_up, layer)
+
+
+def compose_silu_and_mul_linear(gate_up: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    return layer(activation.KERNELS["silu_and_mul"](gate_up))
+
+
 def reference_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """A row-parallel product (RowLinear): this rank's partial x W^T, summed over the ranks, then the bias."""
     if tp_size() == 1:
@@ -76,6 +87,7 @@ def reference_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 # The implementations the layers call; fused_kernels.enable() swaps in triton_skinny_matmul's on GPUs,
 # worker_service.invariant.enable() batch-invariant ones (--deterministic).
 KERNELS: dict[str, Callable[..., Any]] = {"linear": reference_linear, "normed_linear": compose_normed_linear,
+                                          "silu_and_mul_linear": compose_silu_and_mul_linear,
                                           "row_linear": reference_row_linear, "lm_head": reference_linear}
 
 

@@ -18,6 +18,8 @@ benchmarked or synchronised then.
 skinny_norm_linear also does the RMSNorm before the product (with its residual add) in the same
 kernel: a decode step's norms were launch-bound kernels of their own (56 of ~1.7 us per token of
 Qwen3-0.6B on an H200); `normed_linear` is what the model layers call through linear.KERNELS.
+skinny_silu_linear likewise computes the MLP's SiLU-and-mul where the down product loads its input
+(`silu_and_mul_linear`).
 """
 from __future__ import annotations
 
@@ -28,9 +30,16 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from worker_service.layers.linear import MergedColumnLinear, compose_normed_linear, reference_linear
+from worker_service.layers.linear import (
+    MergedColumnLinear,
+    RowLinear,
+    compose_normed_linear,
+    compose_silu_and_mul_linear,
+    reference_linear,
+)
 from worker_service.layers.norm import RMSNorm
 from worker_service.layers.triton_pdl import pdl_options, wait_for_previous_kernel
+from worker_service.parallel.distributed import tp_size
 
 MAX_ROWS = 16  # the most rows of x the kernel takes; more go to cuBLAS, which is efficient there
 DTYPES = (torch.bfloat16, torch.float16)
@@ -53,9 +62,17 @@ class SkinnyConfig(NamedTuple):
 
 
 @triton.jit
-def _load_rows(x_ptr, residual_ptr, rows, ks, mask, stride_x_row, stride_residual_row, ADD_RESIDUAL: tl.constexpr):
-    """x at (rows, ks), or x + residual rounded to x's dtype (as the eager norm.add_rms_norm adds)."""
+def _load_rows(x_ptr, residual_ptr, rows, ks, mask, stride_x_row, stride_residual_row, K,
+               ADD_RESIDUAL: tl.constexpr, GATED: tl.constexpr):
+    """x at (rows, ks), or x + residual rounded to x's dtype (as the eager norm.add_rms_norm adds), or,
+    GATED, silu(gate) * up of x's rows [gate | up] (K columns each), rounded as the Triton
+    silu_and_mul rounds (triton_activation)."""
     x = tl.load(x_ptr + rows * stride_x_row + ks, mask=mask, other=0.0)
+    if GATED:
+        up = tl.load(x_ptr + rows * stride_x_row + K + ks, mask=mask, other=0.0)
+        gate = x.to(tl.float32)
+        activated = (gate / (1.0 + tl.exp(-gate))).to(x.dtype).to(tl.float32)
+        x = (activated * up.to(tl.float32)).to(x.dtype)
     if ADD_RESIDUAL:
         residual = tl.load(residual_ptr + rows * stride_residual_row + ks, mask=mask, other=0.0)
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
@@ -82,10 +99,12 @@ def _normalize(x, rstd, norm_w_ptr, ks, mask):
 @triton.jit
 def _skinny_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, residual_ptr, norm_w_ptr, sum_ptr, eps, M, N, K,
                           stride_x_row, stride_w_row, stride_out_row, stride_residual_row, stride_sum_row,
-                          HAS_BIAS: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
                           ONE_PASS: tl.constexpr, PDL: tl.constexpr):
     # NORM: 0 the product of x, 1 of rms_norm(x), 2 of rms_norm(x + residual) (x + residual -> sum_ptr).
+    # GATED (with NORM 0): the product of silu_and_mul(x), x's rows [gate | up] of 2 * K columns.
     columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
     # The last program's rows past N re-read row N - 1 (unmasked loads); their results are not stored.
     w_rows = tl.minimum(columns, N - 1).to(tl.int64)
@@ -107,7 +126,7 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, residual_ptr, norm_w_
         for k in range(0, K, BLOCK_K):
             mask = (rows[:, None] < M) & ((k + offsets)[None, :] < K)
             x = _load_rows(x_ptr, residual_ptr, rows[:, None], (k + offsets)[None, :], mask, stride_x_row,
-                           stride_residual_row, NORM == 2)
+                           stride_residual_row, K, NORM == 2, False)
             if NORM == 2:
                 tl.store(sum_ptr + rows[:, None] * stride_sum_row + (k + offsets)[None, :], x, mask=mask & first)
             rstd += tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1)
@@ -121,8 +140,8 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, residual_ptr, norm_w_
         if USE_DOT:
             ks = (k + offsets)[None, :]
             x_mask = (rows[:, None] < M) & (ks < K)
-            x = _load_rows(x_ptr, residual_ptr, rows[:, None], ks, x_mask, stride_x_row, stride_residual_row,
-                           NORM == 2)
+            x = _load_rows(x_ptr, residual_ptr, rows[:, None], ks, x_mask, stride_x_row, stride_residual_row, K,
+                           NORM == 2, GATED)
             if NORM != 0:
                 x = _normalize(x, rstd[:, None], norm_w_ptr, ks, x_mask)
             acc = tl.dot(w, tl.trans(x), acc)
@@ -130,8 +149,8 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, residual_ptr, norm_w_
             w = w.to(tl.float32)
             for m in tl.static_range(BLOCK_M):
                 x_mask = (m < M) & (k + offsets < K)
-                x = _load_rows(x_ptr, residual_ptr, m, k + offsets, x_mask, stride_x_row, stride_residual_row,
-                               NORM == 2)
+                x = _load_rows(x_ptr, residual_ptr, m, k + offsets, x_mask, stride_x_row, stride_residual_row, K,
+                               NORM == 2, GATED)
                 if NORM != 0:
                     if ONE_PASS:
                         if NORM == 2:
@@ -177,15 +196,17 @@ def _tile_constexprs(config: SkinnyConfig, m: int, k: int) -> dict[str, int | bo
                 ONE_PASS=not config.use_dot and k <= config.block_k)
 
 
-def use_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def use_skinny(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
     """Whether skinny_linear takes F.linear(x, weight): 16-bit CUDA tensors, a contiguous 2-D weight, at
-    most MAX_ROWS rows of x, and rows of K a multiple of 8 elements (16 bytes, one vectorised load)."""
+    most MAX_ROWS rows of x, and rows of K a multiple of 8 elements (16 bytes, one vectorised load).
+    gated: x holds [gate | up] rows of 2 * K (skinny_silu_linear)."""
     if not (x.is_cuda and weight.is_cuda and x.dtype in DTYPES and weight.dtype == x.dtype):
         return False
     if weight.dim() != 2 or not weight.is_contiguous() or x.dim() == 0:
         return False
     k = weight.shape[1]
-    return x.shape[-1] == k and k % 8 == 0 and k > 0 and 1 <= x.numel() // k <= MAX_ROWS
+    width = 2 * k if gated else k
+    return x.shape[-1] == width and k % 8 == 0 and k > 0 and 1 <= x.numel() // width <= MAX_ROWS
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -194,6 +215,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     written into `out` if given (contiguous [..., N]). float32 sums, one rounding to x's dtype; no
     host sync. `config` overrides _config (benchmarks)."""
     return _launch(x, weight, bias, config, out=out)[0]
+
+
+def skinny_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       config: SkinnyConfig | None = None) -> torch.Tensor:
+    """F.linear(silu_and_mul(gate_up), weight, bias) for gate_up [..., 2 * K] ([gate | up], at most
+    MAX_ROWS rows: use_skinny with gated), in one kernel: the activation is computed where the product
+    loads it (in a decode step of Qwen3-0.6B, 28 launches of ~1.2 us). Rounds as
+    triton_activation.silu_and_mul then skinny_linear do."""
+    return _launch(gate_up, weight, bias, config, gated=True)[0]
 
 
 def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -214,13 +244,16 @@ def _rows(tensor: torch.Tensor, k: int) -> torch.Tensor:
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig | None,
             norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
-            out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel on x's rows; norm: (residual or None, norm weight, eps). Returns the product (in
-    `out` if given) and the norm's input sum (x itself without a residual, or without a norm)."""
+            out: torch.Tensor | None = None, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel on x's rows; norm: (residual or None, norm weight, eps); gated: x's rows are [gate | up]
+    and the product is silu_and_mul's (no norm then). Returns the product (in `out` if given) and the
+    norm's input sum (x itself without a residual, or without a norm)."""
     n, k = weight.shape
     if weight.stride(-1) != 1:
         raise ValueError("skinny_linear needs the weight's rows contiguous")
-    rows = _rows(x, k)
+    if gated and norm is not None:
+        raise ValueError("skinny_linear: a norm before a gated activation")
+    rows = _rows(x, 2 * k if gated else k)
     m = rows.shape[0]
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -243,7 +276,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
             rows.stride(0), weight.stride(0), product.stride(0),
             residual_rows.stride(0) if residual_rows is not None else 0,
             total.stride(0) if total is not None else 0,
-            HAS_BIAS=bias is not None, NORM=0 if norm is None else 1 if residual is None else 2,
+            HAS_BIAS=bias is not None, NORM=0 if norm is None else 1 if residual is None else 2, GATED=gated,
             **_tile_constexprs(config, m, k), num_warps=config.num_warps, num_stages=config.num_stages,
             **pdl_options(x.device))
     return product.view(*x.shape[:-1], n), total.view(x.shape) if total is not None else x
@@ -255,6 +288,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if use_skinny(x, weight):
         return skinny_linear(x, weight, bias, out=out)
     return reference_linear(x, weight, bias, out)
+
+
+def silu_and_mul_linear(gate_up: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """linear.silu_and_mul_linear, in one kernel (skinny_silu_linear) where use_skinny holds and the
+    layer's product is one rank's whole sum (a RowLinear without tensor parallelism); else as linear's."""
+    if isinstance(layer, RowLinear) and tp_size() == 1 and use_skinny(gate_up, layer.weight, gated=True):
+        return skinny_silu_linear(gate_up, layer.weight, layer.bias)
+    return compose_silu_and_mul_linear(gate_up, layer)
 
 
 def normed_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,

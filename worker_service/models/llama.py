@@ -18,10 +18,10 @@ from worker_service.layers import (
     RMSNorm,
     RotaryEmbedding,
     RowLinear,
-    SiluAndMul,
     SparseMoeBlock,
     VocabEmbedding,
     normed_linear,
+    silu_and_mul_linear,
 )
 from worker_service.models.config import ModelConfig
 
@@ -75,13 +75,12 @@ class MLP(nn.Module):
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = MergedColumnLinear(config.hidden_size, [size, size])
-        self.act = SiluAndMul()
         self.down_proj = RowLinear(size, config.hidden_size)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """norm(x + residual) through the MLP; returns it and the sum (the residual stream)."""
         gate_up, residual = normed_linear(x, residual, norm, self.gate_up_proj)
-        return self.down_proj(self.act(gate_up)), residual
+        return silu_and_mul_linear(gate_up, self.down_proj), residual
 
 
 class DecoderLayer(nn.Module):
