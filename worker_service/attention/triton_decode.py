@@ -162,9 +162,11 @@ def _decode_kernel(
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
             tl.store(counter, 0)  # ready for the next launch (the next layer, the next graph replay)
             o = out_ptr + seq.to(tl.int64) * stride_o_tok
+            # Only the splits that hold tokens: a CUDA graph's grid has splits for the longest context.
+            num_filled = tl.cdiv(seq_len, tl.maximum(split_len, 1))
             for row in tl.static_range(GROUP):
                 head = kv_head * GROUP + row
-                merged = _merge_head(po + head * stride_po_head, pl + head * stride_pl_head, num_splits,
+                merged = _merge_head(po + head * stride_po_head, pl + head * stride_pl_head, num_filled,
                                      stride_po_split, HEAD_DIM, BLOCK_SPLITS)
                 tl.store(o + head * stride_o_head + dims, merged.to(out_ptr.dtype.element_ty))
     else:
@@ -173,11 +175,12 @@ def _decode_kernel(
 
 
 @triton.jit
-def _merge_head(po_ptr, pl_ptr, num_splits, stride_po_split, HEAD_DIM: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
-    """One head's output from its splits' partial outputs (po_ptr) and log2-sum-exps (pl_ptr)."""
+def _merge_head(po_ptr, pl_ptr, num_filled, stride_po_split, HEAD_DIM: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
+    """One head's output from its first num_filled splits' partial outputs (po_ptr) and log2-sum-exps
+    (pl_ptr); zeros when there are none."""
     splits = tl.arange(0, BLOCK_SPLITS)
     dims = tl.arange(0, HEAD_DIM)
-    split_mask = splits < num_splits
+    split_mask = splits < num_filled
     lse = tl.load(pl_ptr + splits, mask=split_mask, other=float("-inf"), cache_modifier=".cg")
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # all splits empty: weights 0, output 0
