@@ -1,4 +1,4 @@
-"""Set before anything imports numpy (pytest reads this file before it imports a test module).
+"""Set before anything imports numpy or calls MKL (pytest reads this file before it imports a test module).
 
 Triton's interpreter, which runs the kernel tests on CPUs, computes each tl.dot with numpy's matmul.
 OpenBLAS's FMA kernels (its Haswell and Zen cores) round a row of a product differently by the row's
@@ -15,3 +15,10 @@ import sys
 
 if platform.machine() in ("x86_64", "AMD64") and "numpy" not in sys.modules:
     os.environ["OPENBLAS_CORETYPE"] = "Sandybridge"
+
+try:  # the deterministic CPU kernels' MKL code path, as a deterministic worker sets it at its start
+    from worker_service.invariant.cpu_products import pin_mkl_code_path
+except ImportError:  # no torch: the scheduler's own environment
+    pass
+else:
+    pin_mkl_code_path()

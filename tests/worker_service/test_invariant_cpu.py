@@ -6,6 +6,7 @@ the check can fail). The default kernels that the mode keeps are held to the sam
 from __future__ import annotations
 
 import multiprocessing
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -241,6 +242,20 @@ def test_enable_swaps_the_tables_and_disable_puts_them_back() -> None:
     assert [dict(table) for table in (linear.KERNELS, activation.KERNELS, quantized_cpu.KERNELS)] == before
     with pytest.raises(ValueError, match="no batch-invariant kernels"):
         invariant.enable(torch.device("meta"))
+
+
+def test_enable_on_the_cpu_pins_mkl_to_its_vector_isa_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What this session's products were measured on (cpu_products.pin_mkl_code_path); a value the
+    environment gives is kept."""
+    monkeypatch.delenv("MKL_CBWR", raising=False)
+    invariant.enable(torch.device("cpu"))
+    invariant.disable()
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert os.environ.get("MKL_CBWR") == (capability if capability in ("AVX512", "AVX2") else None)
+    monkeypatch.setenv("MKL_CBWR", "COMPATIBLE")
+    invariant.enable(torch.device("cpu"))
+    invariant.disable()
+    assert os.environ["MKL_CBWR"] == "COMPATIBLE"
 
 
 def test_prepare_lays_the_weights_out_column_major(tmp_path: Path) -> None:

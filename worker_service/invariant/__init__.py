@@ -6,8 +6,10 @@ from the prefix cache, after a preemption's recompute, and at any tensor-paralle
 swaps the process-wide kernel tables for dispatchers that send CPU tensors to this package's CPU
 kernels and CUDA tensors to `triton_products` (imported at the first CUDA call). What it swaps, and why:
 
-- the products (linear.KERNELS linear, normed_linear, row_linear, lm_head): BLAS libraries choose how to
-  split and order a row's sum by the shape of the call (cpu_products, triton_products);
+- the products (linear.KERNELS linear, normed_linear, silu_and_mul_linear, row_linear, lm_head): BLAS
+  libraries choose how to split and order a row's sum by the shape of the call (cpu_products,
+  triton_products); on the CPU MKL is also held to its AVX-512 or AVX2 code path, which it otherwise
+  chooses by the CPU's vendor (cpu_products.pin_mkl_code_path);
 - a mixture of experts' experts on GPUs (layers.moe.KERNELS): the fused kernels with one block
   configuration for every batch (triton_moe.INVARIANT_CONFIG); on the CPU the reference loop is invariant
   through the products it calls;
@@ -56,6 +58,8 @@ def enable(device: torch.device) -> None:
         raise ValueError(f"deterministic: no batch-invariant kernels for {device}")
     if _replaced:
         return
+    if torch.device(device).type == "cpu":
+        cpu_products.pin_mkl_code_path()  # before the model's first product (a worker calls this at its start)
     _swap(linear.KERNELS, "linear", _by_device(cpu_products.linear, "linear"))
     _swap(linear.KERNELS, "normed_linear", _by_device(linear.compose_normed_linear, "normed_linear"))
     _swap(linear.KERNELS, "silu_and_mul_linear", linear.compose_silu_and_mul_linear)  # through row_linear's

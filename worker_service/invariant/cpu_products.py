@@ -28,6 +28,7 @@ rank adds all of them as above: the sum of one rank, exactly.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterator
 
 import torch
@@ -39,6 +40,18 @@ MIN_ROWS = 4  # fewer rows change MKL's kernel (measured): inputs are padded to 
 # Calls whose partials (chunks x rows x outputs floats) fit in this many floats materialise them (one
 # batched product and one sum: few ops, what decode steps need); larger ones accumulate with addmm.
 MAX_PARTIALS = 1 << 21
+
+
+def pin_mkl_code_path() -> None:
+    """Asks MKL for its AVX-512 (or AVX2) code path, where the environment names none (MKL_CBWR).
+
+    MKL otherwise chooses its kernels by the CPU's vendor as well as its vector ISA: on an AMD EPYC
+    with AVX-512 its default path's rows moved with the call (8 of the 29 checks of
+    tests/worker_service/test_invariant_cpu.py failed), its AVX-512 path's did not, as on Intel CPUs.
+    MKL reads the variable at its first call: call this before any product of the process."""
+    branch = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2" or another ISA (no MKL call)
+    if branch in ("AVX512", "AVX2"):
+        os.environ.setdefault("MKL_CBWR", branch)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
