@@ -14,14 +14,14 @@ matters falls into float16's subnormals), that largest applied after it.
 
 With one split the kernel normalizes and writes the output directly. With several, each program
 writes its normalized partial output and log2-sum-exp to a float32 workspace and counts itself done
-on its (sequence, KV head)'s counter (an int32 buffer beside it); the program that finds itself the last merges
-the group's splits and resets the counter to zero (split-K with a semaphore: one launch a layer, where
-a second merge kernel cost ~2.4 us of a one-stream decode step's 28 layers on an H200). Every
-sequence's context is cut into num_splits equal pieces inside the kernel (from its own seq_len), so
-the grid, the workspace and the launch depend only on num_seqs and num_splits: a CUDA graph captured
-once replays correctly for any context lengths. Splits beyond a short sequence's context (and
-sequences with seq_len 0, e.g. graph padding) write neutral partials (lse = -inf, output 0), so the
-merge needs no knowledge of the lengths.
+on its (sequence, KV head)'s counter (an int32 buffer beside it); the program that finds itself the
+last merges the splits that hold tokens and resets the counter to zero (split-K with a semaphore: one
+launch a layer instead of a second, merging kernel; bench/results/2026-12-02-h200-fusions.md).
+Every sequence's context is cut into num_splits equal pieces inside the kernel (from its own
+seq_len), so the grid, the workspace and the launch depend only on num_seqs and num_splits: a CUDA
+graph captured once replays correctly for any context lengths. Splits beyond a short sequence's
+context (and sequences with seq_len 0, e.g. graph padding) write neutral partials (lse = -inf,
+output 0) and are left out of the merge.
 """
 from __future__ import annotations
 
