@@ -2,9 +2,10 @@
 
 A decode step is a chain of small kernels (a few microseconds each at one sequence: the skinny
 products, rotary and the K/V store, attention); without PDL each one starts only after the previous
-has finished and its launch has gone through, a gap of about a microsecond. Launched with PDL, a kernel's programs may start while the previous kernel's last ones
-still run, and wait in `wait_for_previous_kernel` until that kernel has finished and its writes are
-visible. CUDA graphs capture the launch attribute, so the replayed steps overlap the same way.
+has finished and its launch has gone through, a gap of about a microsecond. Launched with PDL, a
+kernel's programs may start while the previous kernel's last ones still run, and wait in
+`wait_for_previous_kernel` until that kernel has finished and its writes are visible. CUDA graphs
+capture the launch attribute, so the replayed steps overlap the same way.
 
 The rule that keeps this exact: a kernel launched with `**pdl_options(device)` calls
 `wait_for_previous_kernel()` (under `if PDL:`) before it reads anything an earlier kernel wrote and
