@@ -25,9 +25,9 @@ if TYPE_CHECKING:
 
 @register_backend("triton")
 class TritonAttentionBackend(AttentionBackend):
-    """No host syncs and no data-dependent host logic on the decode path, so it can be captured
-    in a CUDA graph (see AttentionMetadata.decode_num_splits, decode_workspace, decode_counters); neither on the
-    prefill path, whose grid max_query_len sizes."""
+    """No host syncs and no data-dependent host logic on the decode path, so it can be captured in a
+    CUDA graph (see AttentionMetadata.decode_num_splits, decode_workspace, decode_counters); neither
+    on the prefill path, whose grid max_query_len sizes."""
 
     graphs_prefill = True
 

@@ -237,8 +237,8 @@ def _scratch(buffer: torch.Tensor | None, what: str, needed: int, dtype: torch.d
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, num_splits: int, workspace: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, *, counters: torch.Tensor | None = None,
-                 k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None, block_n: int = DECODE_BLOCK_N, num_warps: int | None = None,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                 block_n: int = DECODE_BLOCK_N, num_warps: int | None = None,
                  num_stages: int = DECODE_NUM_STAGES) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
@@ -246,9 +246,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32 (context incl. the token).
     workspace: float32, at least decode_workspace_numel(...) elements, and counters: int32, zero-filled,
     at least decode_counters_numel(...), both needed when num_splits > 1 (allocated here when None;
-    preallocate them for CUDA graph capture). out: [num_seqs, num_heads,
-    head_dim], allocated when None. k_scale, v_scale: an fp8 cache's per-head-vector scales, float32
-    [num_blocks, block_size, num_kv_heads] (kv_quant; None otherwise). block_n, num_warps
+    preallocate them for CUDA graph capture). out: [num_seqs, num_heads, head_dim], allocated when None.
+    k_scale, v_scale: an fp8 cache's per-head-vector scales, float32 [num_blocks, block_size,
+    num_kv_heads] (kv_quant; None otherwise). block_n, num_warps
     (decode_num_warps when None), num_stages: tuning knobs (see the bench).
     Launches only, no host sync.
     """
