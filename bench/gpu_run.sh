@@ -15,6 +15,8 @@
 #               Poisson rates 4..32 and inf on the reference workload, single-stream 512/2048, then 256
 #               concurrent streams of 1024+256 tokens; JSON and the scheduler's /metrics in $OUT
 #               (plot afterwards where matplotlib is: python bench/serving.py --from-json F --plot F.png)
+#   chain       bench/decode_chain.py: one decode layer's six kernels at one sequence in a CUDA graph, whole, each
+#               left out, each alone (what each costs the chain under PDL), with and without PDL
 #   latency     bench/single_stream.py (one stream in-process, profiled), then single-stream points through gRPC
 #               (the default flags, then --decode-step-ms 0: a fixed 4 iterations a step; /metrics after each)
 #   load        bench/serving.py at Poisson rates 8 and 16 (reference workload), the same two schedulers
@@ -114,6 +116,9 @@ for s in ${@:-tests attention throughput}; do
              2>&1 | tee "$OUT/hf.log" | tail -25 ;;
     serving) serving_stage ;;
     latency) latency_stage ;;
+    chain) for flag in "" --without-pdl; do
+             timeout 150 python3 bench/decode_chain.py $flag 2>&1 | tee -a "$OUT/decode-chain.log" | tail -14
+           done ;;
     moe) timeout 200 python3 bench/moe_bench.py --sweep 2>&1 | tee "$OUT/moe-kernel.log" | tail -60
          timeout 420 python3 bench/throughput.py --model random-qwen3-30b-a3b --modes inprocess --hf-num-seqs 0 \
            --itl-tokens 256 --json-out "$OUT/moe-inprocess.json" 2>&1 | tee "$OUT/moe-inprocess.log" | tail -12 ;;

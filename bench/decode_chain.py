@@ -1,0 +1,237 @@
+"""Where a decode layer's time goes at a few sequences, by leaving kernels out of the chain.
+
+A decode step of the random Qwen3-0.6B is 28 times one chain of six kernels: the qkv product with the
+norm before it, the q/k norms with rotary and the K/V store, the split decode attention, the o product,
+the gate/up product with its norm, the down product with SiLU-and-mul. Under programmatic dependent
+launch the kernels overlap, so a profiler's per-kernel times (each includes its wait for the previous
+one) do not add up to the step. Here a chain of --layers layers (each its own weights and cache, so
+nothing is read from L2) is captured in a CUDA graph and replayed: whole, with one kind of kernel left
+out (what that kernel costs the chain), and with only one kind kept (what it costs on its own). The
+floor beside it: the weights and the K/V read once at --bandwidth.
+
+    python bench/decode_chain.py [--batch 1] [--context 768] [--layers 28] [--without-pdl]
+
+--smoke runs the chain once on tiny shapes without timing (on the CPU through Triton's interpreter:
+tests/test_bench_decode_chain.py), so that the script is known to run before device time is spent on it.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+KINDS = ("qkv", "rope+store", "attention", "o", "gate_up", "down")
+EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class Shapes:
+    hidden: int = 1024
+    intermediate: int = 3072
+    heads: int = 16
+    kv_heads: int = 8
+    head_dim: int = 128
+    block_size: int = 256
+
+    def weight_bytes(self, element_size: int) -> int:
+        qkv = (self.heads + 2 * self.kv_heads) * self.head_dim * self.hidden
+        o = self.hidden * self.heads * self.head_dim
+        return (qkv + o + 3 * self.intermediate * self.hidden) * element_size
+
+
+TINY = Shapes(hidden=64, intermediate=96, heads=4, kv_heads=2, head_dim=32, block_size=16)
+
+
+class Layer:
+    """One layer's weights and paged cache, and its chain of kernels with some kinds left out."""
+
+    def __init__(self, shapes: Shapes, batch: int, context: int, dtype: torch.dtype, device: torch.device) -> None:
+        def weight(rows: int, columns: int) -> torch.Tensor:
+            return torch.randn(rows, columns, device=device).div_(columns ** 0.5).to(dtype)
+
+        s = shapes
+        self.shapes = s
+        self.w_qkv = weight((s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden)
+        self.w_o = weight(s.hidden, s.heads * s.head_dim)
+        self.w_gate_up = weight(2 * s.intermediate, s.hidden)
+        self.w_down = weight(s.hidden, s.intermediate)
+        self.norms = [torch.ones(s.hidden, dtype=dtype, device=device) for _ in range(2)]
+        self.head_norms = [torch.ones(s.head_dim, dtype=dtype, device=device) for _ in range(2)]
+        blocks_per_seq = -(-(context + 1) // s.block_size)
+        cache_shape = (batch * blocks_per_seq, s.block_size, s.kv_heads, s.head_dim)
+        self.k_cache = torch.randn(cache_shape, device=device).to(dtype)
+        self.v_cache = torch.randn(cache_shape, device=device).to(dtype)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor, steps: StepInputs,
+                skipped: frozenset[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        from worker_service.attention.triton_decode import paged_decode
+        from worker_service.attention.triton_rope_store import rope_and_store
+        from worker_service.layers.triton_skinny_matmul import skinny_linear, skinny_norm_linear, skinny_silu_linear
+
+        s = self.shapes
+        batch = hidden.shape[0]
+        q_width, kv_width = s.heads * s.head_dim, s.kv_heads * s.head_dim
+        run = _runner(skipped, steps.placeholders)
+        qkv, total = run("qkv", lambda: skinny_norm_linear(hidden, residual, self.norms[0], EPS, self.w_qkv))
+        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
+        q = run("rope+store", lambda: rope_and_store(
+            q.view(batch, s.heads, s.head_dim), k.view(batch, s.kv_heads, s.head_dim),
+            v.view(batch, s.kv_heads, s.head_dim), steps.positions, steps.cos, steps.sin, self.k_cache, self.v_cache,
+            steps.slots, q_norm_weight=self.head_norms[0], k_norm_weight=self.head_norms[1], eps=EPS))
+        attended = run("attention", lambda: paged_decode(
+            q.view(batch, s.heads, s.head_dim), self.k_cache, self.v_cache, steps.tables, steps.seq_lens,
+            s.head_dim ** -0.5, steps.num_splits, steps.workspace, counters=steps.counters))
+        o = run("o", lambda: skinny_linear(attended.reshape(batch, q_width), self.w_o))
+        gate_up, total = run("gate_up", lambda: skinny_norm_linear(o, total, self.norms[1], EPS, self.w_gate_up))
+        return run("down", lambda: skinny_silu_linear(gate_up, self.w_down)), total
+
+
+@dataclass
+class StepInputs:
+    """What every layer of one decode step shares: the sequences' positions, slots and block tables,
+    the rotary tables, the split decode's scratch, and an output of each kind for kinds left out."""
+
+    positions: torch.Tensor
+    slots: torch.Tensor
+    tables: torch.Tensor
+    seq_lens: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    num_splits: int
+    workspace: torch.Tensor | None
+    counters: torch.Tensor | None
+    placeholders: dict[str, object]
+
+
+def step_inputs(shapes: Shapes, batch: int, context: int, max_model_len: int, dtype: torch.dtype,
+                device: torch.device) -> StepInputs:
+    from worker_service.attention.triton_decode import (
+        choose_num_splits,
+        decode_counters_numel,
+        decode_workspace_numel,
+    )
+
+    s = shapes
+    blocks_per_seq = -(-(context + 1) // s.block_size)
+    tables = torch.arange(batch * blocks_per_seq, dtype=torch.int32, device=device).view(batch, blocks_per_seq)
+    positions = torch.full((batch,), context, dtype=torch.int64, device=device)
+    slots = tables[:, context // s.block_size].long() * s.block_size + context % s.block_size
+    angles = torch.arange(max_model_len, device=device)[:, None] * 1e-4 ** (
+        torch.arange(s.head_dim // 2, device=device) / (s.head_dim // 2))
+    num_splits = choose_num_splits(batch, s.kv_heads, max_model_len, device)  # as a captured graph has
+    workspace_numel = decode_workspace_numel(batch, s.heads, s.head_dim, num_splits)
+    counters_numel = decode_counters_numel(batch, s.kv_heads, num_splits)
+    qkv_width = (s.heads + 2 * s.kv_heads) * s.head_dim
+    new = lambda *shape: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
+    return StepInputs(
+        positions=positions, slots=slots, tables=tables,
+        seq_lens=torch.full((batch,), context + 1, dtype=torch.int32, device=device),
+        cos=angles.cos().float(), sin=angles.sin().float(), num_splits=num_splits,
+        workspace=torch.empty(workspace_numel, device=device) if workspace_numel else None,
+        counters=torch.zeros(counters_numel, dtype=torch.int32, device=device) if counters_numel else None,
+        placeholders={"qkv": (new(batch, qkv_width), new(batch, s.hidden)),
+                      "rope+store": new(batch, s.heads, s.head_dim), "attention": new(batch, s.heads, s.head_dim),
+                      "o": new(batch, s.hidden), "gate_up": (new(batch, 2 * s.intermediate), new(batch, s.hidden)),
+                      "down": new(batch, s.hidden)})
+
+
+def _runner(skipped: frozenset[str], placeholders: dict[str, object]) -> Callable[[str, Callable[[], object]], object]:
+    def run(kind: str, kernel: Callable[[], object]) -> object:
+        return placeholders[kind] if kind in skipped else kernel()
+
+    return run
+
+
+def chain(layers: list[Layer], steps: StepInputs, hidden: torch.Tensor, skipped: frozenset[str]) -> torch.Tensor:
+    residual = torch.zeros_like(hidden)
+    for layer in layers:
+        hidden, residual = layer.forward(hidden, residual, steps, skipped)
+    return hidden
+
+
+def time_graph(fn: Callable[[], object], replays: int) -> float:
+    """Seconds per call of fn captured in a CUDA graph (after an eager warm-up that compiles)."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / replays
+
+
+def variants() -> list[tuple[str, frozenset[str]]]:
+    """(name, kinds left out): the whole chain, each kind left out, each kind alone."""
+    everything = frozenset(KINDS)
+    return ([("all six", frozenset())] + [(f"without {kind}", frozenset({kind})) for kind in KINDS]
+            + [(f"{kind} alone", everything - {kind}) for kind in KINDS])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=768, help="tokens already in each sequence's cache")
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--max-model-len", type=int, default=4096, help="sizes the decode splits, as a graph's")
+    parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s the floor assumes (an H200's copy)")
+    parser.add_argument("--without-pdl", action="store_true", help="launch the kernels without PDL")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, one eager pass, no timing")
+    args = parser.parse_args()
+    if args.without_pdl:
+        from worker_service.layers import triton_pdl
+
+        triton_pdl.ENABLED = False
+    if args.smoke:
+        return smoke()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA device (or --smoke)")
+    device, dtype, shapes = torch.device("cuda"), torch.bfloat16, Shapes()
+    torch.manual_seed(0)
+    layers = [Layer(shapes, args.batch, args.context, dtype, device) for _ in range(args.layers)]
+    steps = step_inputs(shapes, args.batch, args.context, args.max_model_len, dtype, device)
+    hidden = torch.randn(args.batch, shapes.hidden, device=device).to(dtype)
+    kv_bytes = 2 * args.batch * (args.context + 1) * shapes.kv_heads * shapes.head_dim * 2
+    floor = (shapes.weight_bytes(2) + kv_bytes) / args.bandwidth
+    print(f"{torch.cuda.get_device_name()}: batch {args.batch}, context {args.context}, {args.layers} layers, "
+          f"{steps.num_splits} decode splits, PDL {'off' if args.without_pdl else 'on'}; floor a layer "
+          f"{floor * 1e6:.2f} us (weights and K/V at {args.bandwidth / 1e12:.1f} TB/s)")
+    whole = None
+    for name, skipped in variants():
+        seconds = time_graph(lambda skipped=skipped: chain(layers, steps, hidden, skipped), args.replays)
+        per_layer = seconds / args.layers * 1e6
+        whole = per_layer if whole is None else whole
+        saved = f"   leaving it out saves {whole - per_layer:6.2f} us" if name.startswith("without") else ""
+        print(f"{name:<22} {per_layer:7.2f} us a layer{saved}", flush=True)
+    return 0
+
+
+def smoke() -> int:
+    """One eager pass of a tiny layer: whole, with a kind left out and with one kept (every kind's kernel
+    and every placeholder; on a CPU the kernels run through Triton's interpreter)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.float16  # the interpreter's bf16 tl.dot is wrong (tests/worker_service/test_triton_attention.py)
+    torch.manual_seed(0)
+    layers = [Layer(TINY, 2, 40, dtype, device)]
+    steps = step_inputs(TINY, 2, 40, 256, dtype, device)
+    hidden = torch.randn(2, TINY.hidden, device=device).to(dtype)
+    for name, skipped in variants()[:2] + variants()[-6:-5]:
+        out = chain(layers, steps, hidden, skipped)
+        assert out.shape == hidden.shape and bool(torch.isfinite(out).all()), name
+        print(f"{name}: ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
