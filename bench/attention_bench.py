@@ -43,9 +43,8 @@ from worker_service.attention.triton_decode import (  # noqa: E402
     DECODE_NUM_STAGES,
     MAX_NUM_SPLITS,
     choose_num_splits,
-    decode_counters_numel,
     decode_num_warps,
-    decode_workspace_numel,
+    new_decode_scratch,
     paged_decode,
 )
 from worker_service.attention.triton_prefill import paged_prefill  # noqa: E402
@@ -84,12 +83,6 @@ def bench_ms(fn: Callable[[], object]) -> float:
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
-def decode_scratch(batch: int, splits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split decode's workspace and zero-filled counters, made once outside the timed calls."""
-    return (torch.empty(decode_workspace_numel(batch, NUM_HEADS, HEAD_DIM, splits), dtype=torch.float32, device=device),
-            torch.zeros(decode_counters_numel(batch, NUM_KV_HEADS, splits), dtype=torch.int32, device=device))
 
 
 def paged_copy(k: torch.Tensor, v: torch.Tensor, block_size: int) -> tuple[torch.Tensor, ...]:
@@ -180,7 +173,7 @@ def decode_rows(block_size: int, batch: int, context: int, device: torch.device,
         kv_bytes = 2 * batch * context * NUM_KV_HEADS * (HEAD_DIM + 4)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     splits = choose_num_splits(batch, NUM_KV_HEADS, context, device)
-    workspace, counters = decode_scratch(batch, splits, device)
+    workspace, counters = new_decode_scratch(batch, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, splits, device)
     out = torch.empty_like(q)
 
     def run() -> torch.Tensor:
@@ -223,7 +216,7 @@ def random_length_rows(device: torch.device, num_seqs: int = 256, lengths: tuple
     seq_lens = seq_lens_list.to(torch.int32).to(device)
     mask = (torch.arange(context, device=device)[None, :] < seq_lens[:, None].long())[:, None, None, :]
     splits = choose_num_splits(num_seqs, NUM_KV_HEADS, context, device)
-    workspace, counters = decode_scratch(num_seqs, splits, device)
+    workspace, counters = new_decode_scratch(num_seqs, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, splits, device)
     out = torch.empty_like(q)
     tokens = int(seq_lens_list.sum())
     fp8_k, fp8_v, scales, k_seen, v_seen = fp8_caches(k_cache, v_cache, tables, context)
@@ -309,7 +302,7 @@ def sweep_decode(block_size: int, batch: int, context: int, device: torch.device
     chosen = choose_num_splits(batch, NUM_KV_HEADS, context, device)
     configs = [(splits, DECODE_BLOCK_N, decode_num_warps(fp8), DECODE_NUM_STAGES)
                for splits in sorted({1, 2, 4, 8, 16, 32, MAX_NUM_SPLITS, chosen})]
-    workspace, counters = decode_scratch(batch, MAX_NUM_SPLITS, device)
+    workspace, counters = new_decode_scratch(batch, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, MAX_NUM_SPLITS, device)
     configs += [(chosen, block_n, num_warps, num_stages) for block_n in (32, 64, 128) for num_warps in (1, 2, 4, 8)
                 for num_stages in (1, 2, 3, 4)]
     lines = []

@@ -111,11 +111,7 @@ class StepInputs:
 
 def step_inputs(shapes: Shapes, batch: int, context: int, max_model_len: int, dtype: torch.dtype,
                 device: torch.device) -> StepInputs:
-    from worker_service.attention.triton_decode import (
-        choose_num_splits,
-        decode_counters_numel,
-        decode_workspace_numel,
-    )
+    from worker_service.attention.triton_decode import choose_num_splits, new_decode_scratch
 
     s = shapes
     blocks_per_seq = -(-(context + 1) // s.block_size)
@@ -125,16 +121,14 @@ def step_inputs(shapes: Shapes, batch: int, context: int, max_model_len: int, dt
     angles = torch.arange(max_model_len, device=device)[:, None] * 1e-4 ** (
         torch.arange(s.head_dim // 2, device=device) / (s.head_dim // 2))
     num_splits = choose_num_splits(batch, s.kv_heads, max_model_len, device)  # as a captured graph has
-    workspace_numel = decode_workspace_numel(batch, s.heads, s.head_dim, num_splits)
-    counters_numel = decode_counters_numel(batch, s.kv_heads, num_splits)
+    workspace, counters = new_decode_scratch(batch, s.heads, s.kv_heads, s.head_dim, num_splits, device)
     qkv_width = (s.heads + 2 * s.kv_heads) * s.head_dim
     new = lambda *shape: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
     return StepInputs(
         positions=positions, slots=slots, tables=tables,
         seq_lens=torch.full((batch,), context + 1, dtype=torch.int32, device=device),
         cos=angles.cos().float(), sin=angles.sin().float(), num_splits=num_splits,
-        workspace=torch.empty(workspace_numel, device=device) if workspace_numel else None,
-        counters=torch.zeros(counters_numel, dtype=torch.int32, device=device) if counters_numel else None,
+        workspace=workspace, counters=counters,
         placeholders={"qkv": (new(batch, qkv_width), new(batch, s.hidden)),
                       "rope+store": new(batch, s.heads, s.head_dim), "attention": new(batch, s.heads, s.head_dim),
                       "o": new(batch, s.hidden), "gate_up": (new(batch, 2 * s.intermediate), new(batch, s.hidden)),

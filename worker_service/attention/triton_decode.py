@@ -224,6 +224,16 @@ def decode_counters_numel(num_seqs: int, num_kv_heads: int, num_splits: int) -> 
     return 0 if num_splits <= 1 else num_seqs * num_kv_heads
 
 
+def new_decode_scratch(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, num_splits: int,
+                       device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A split decode's own workspace and zero-filled counters ((None, None) with one split), for callers
+    that launch one shape repeatedly (benchmarks); the backend keeps shared ones instead."""
+    if num_splits <= 1:
+        return None, None
+    return (torch.empty(decode_workspace_numel(num_seqs, num_heads, head_dim, num_splits), device=device),
+            torch.zeros(decode_counters_numel(num_seqs, num_kv_heads, num_splits), dtype=torch.int32, device=device))
+
+
 def _scratch(buffer: torch.Tensor | None, what: str, needed: int, dtype: torch.dtype,
              device: torch.device) -> torch.Tensor:
     """buffer, checked to hold `needed` elements of dtype, or a zero-filled new one when None."""
