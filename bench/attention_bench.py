@@ -203,9 +203,9 @@ def decode_rows(block_size: int, batch: int, context: int, device: torch.device,
 def random_length_rows(device: torch.device, num_seqs: int = 256, lengths: tuple[int, int] = (100, 2047),
                        block_size: int = 256, seed: int = 0) -> list[Row]:
     """Decode at the reference workload's spread of contexts (num_seqs sequences of uniformly random
-    lengths): the bf16 cache, and an fp8 cache through each fp8 kernel (triton_decode.FP8_DECODE_KERNEL's
-    choices). Bytes: each sequence's own K and V (fp8: values and scales); the error is against SDPA
-    with each sequence's padding masked."""
+    lengths): the bf16 cache (also through flash-attn where installed) and an fp8 cache. Bytes: each
+    sequence's own K and V (fp8: values and scales); the error is against SDPA with each sequence's
+    padding masked."""
     generator = torch.Generator().manual_seed(seed)
     seq_lens_list = torch.randint(lengths[0], lengths[1] + 1, (num_seqs,), generator=generator)
     context = int(seq_lens_list.max())
