@@ -178,7 +178,7 @@ def decode_rows(block_size: int, batch: int, context: int, device: torch.device,
 
     def run() -> torch.Tensor:
         return paged_decode(q, k_cache, v_cache, tables, seq_lens, SCALE, splits, workspace, out, counters=counters,
-                                **scales)
+                            **scales)
 
     starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
 

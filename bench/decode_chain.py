@@ -12,7 +12,8 @@ floor beside it: the weights and the K/V read once at --bandwidth.
     python bench/decode_chain.py [--batch 1] [--context 768] [--layers 28] [--without-pdl]
 
 --smoke runs the chain once on tiny shapes without timing (on the CPU through Triton's interpreter:
-tests/test_bench_decode_chain.py), so that the script is known to run before device time is spent on it.
+tests/worker_service/test_bench_decode_chain.py), so that the script is known to run before device time
+is spent on it.
 """
 from __future__ import annotations
 
@@ -26,45 +27,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from bench.memory_floor import attention_params, dense_mlp_params, kv_bytes_per_token  # noqa: E402
+from bench.random_checkpoint import QWEN3_0_6B  # noqa: E402
+from worker_service.layers.rotary import RotaryEmbedding  # noqa: E402
+from worker_service.models.config import ModelConfig  # noqa: E402
+
 KINDS = ("qkv", "rope+store", "attention", "o", "gate_up", "down")
-EPS = 1e-6
-
-
-@dataclass(frozen=True)
-class Shapes:
-    hidden: int = 1024
-    intermediate: int = 3072
-    heads: int = 16
-    kv_heads: int = 8
-    head_dim: int = 128
-    block_size: int = 256
-
-    def weight_bytes(self, element_size: int) -> int:
-        qkv = (self.heads + 2 * self.kv_heads) * self.head_dim * self.hidden
-        o = self.hidden * self.heads * self.head_dim
-        return (qkv + o + 3 * self.intermediate * self.hidden) * element_size
-
-
-TINY = Shapes(hidden=64, intermediate=96, heads=4, kv_heads=2, head_dim=32, block_size=16)
+BLOCK_SIZE = 256  # the worker's default KV block
+TINY = QWEN3_0_6B | {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "head_dim": 32}
+TINY_BLOCK_SIZE = 16
 
 
 class Layer:
     """One layer's weights and paged cache, and its chain of kernels with some kinds left out."""
 
-    def __init__(self, shapes: Shapes, batch: int, context: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, block_size: int, batch: int, context: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
         def weight(rows: int, columns: int) -> torch.Tensor:
             return torch.randn(rows, columns, device=device).div_(columns ** 0.5).to(dtype)
 
-        s = shapes
-        self.shapes = s
-        self.w_qkv = weight((s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden)
-        self.w_o = weight(s.hidden, s.heads * s.head_dim)
-        self.w_gate_up = weight(2 * s.intermediate, s.hidden)
-        self.w_down = weight(s.hidden, s.intermediate)
-        self.norms = [torch.ones(s.hidden, dtype=dtype, device=device) for _ in range(2)]
-        self.head_norms = [torch.ones(s.head_dim, dtype=dtype, device=device) for _ in range(2)]
-        blocks_per_seq = -(-(context + 1) // s.block_size)
-        cache_shape = (batch * blocks_per_seq, s.block_size, s.kv_heads, s.head_dim)
+        c = config
+        self.config = c
+        self.w_qkv = weight((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size)
+        self.w_o = weight(c.hidden_size, c.num_heads * c.head_dim)
+        self.w_gate_up = weight(2 * c.intermediate_size, c.hidden_size)
+        self.w_down = weight(c.hidden_size, c.intermediate_size)
+        self.norms = [torch.ones(c.hidden_size, dtype=dtype, device=device) for _ in range(2)]
+        self.head_norms = [torch.ones(c.head_dim, dtype=dtype, device=device) for _ in range(2)]
+        cache_shape = (batch * blocks_per_sequence(context, block_size), block_size, c.num_kv_heads, c.head_dim)
         self.k_cache = torch.randn(cache_shape, device=device).to(dtype)
         self.v_cache = torch.randn(cache_shape, device=device).to(dtype)
 
@@ -74,21 +65,22 @@ class Layer:
         from worker_service.attention.triton_rope_store import rope_and_store
         from worker_service.layers.triton_skinny_matmul import skinny_linear, skinny_norm_linear, skinny_silu_linear
 
-        s = self.shapes
+        c = self.config
         batch = hidden.shape[0]
-        q_width, kv_width = s.heads * s.head_dim, s.kv_heads * s.head_dim
+        q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         run = _runner(skipped, steps.placeholders)
-        qkv, total = run("qkv", lambda: skinny_norm_linear(hidden, residual, self.norms[0], EPS, self.w_qkv))
+        eps = c.rms_norm_eps
+        qkv, total = run("qkv", lambda: skinny_norm_linear(hidden, residual, self.norms[0], eps, self.w_qkv))
         q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
         q = run("rope+store", lambda: rope_and_store(
-            q.view(batch, s.heads, s.head_dim), k.view(batch, s.kv_heads, s.head_dim),
-            v.view(batch, s.kv_heads, s.head_dim), steps.positions, steps.cos, steps.sin, self.k_cache, self.v_cache,
-            steps.slots, q_norm_weight=self.head_norms[0], k_norm_weight=self.head_norms[1], eps=EPS))
+            q.view(batch, c.num_heads, c.head_dim), k.view(batch, c.num_kv_heads, c.head_dim),
+            v.view(batch, c.num_kv_heads, c.head_dim), steps.positions, steps.cos, steps.sin, self.k_cache,
+            self.v_cache, steps.slots, q_norm_weight=self.head_norms[0], k_norm_weight=self.head_norms[1], eps=eps))
         attended = run("attention", lambda: paged_decode(
-            q.view(batch, s.heads, s.head_dim), self.k_cache, self.v_cache, steps.tables, steps.seq_lens,
-            s.head_dim ** -0.5, steps.num_splits, steps.workspace, counters=steps.counters))
+            q.view(batch, c.num_heads, c.head_dim), self.k_cache, self.v_cache, steps.tables, steps.seq_lens,
+            c.head_dim ** -0.5, steps.num_splits, steps.workspace, counters=steps.counters))
         o = run("o", lambda: skinny_linear(attended.reshape(batch, q_width), self.w_o))
-        gate_up, total = run("gate_up", lambda: skinny_norm_linear(o, total, self.norms[1], EPS, self.w_gate_up))
+        gate_up, total = run("gate_up", lambda: skinny_norm_linear(o, total, self.norms[1], eps, self.w_gate_up))
         return run("down", lambda: skinny_silu_linear(gate_up, self.w_down)), total
 
 
@@ -109,30 +101,35 @@ class StepInputs:
     placeholders: dict[str, object]
 
 
-def step_inputs(shapes: Shapes, batch: int, context: int, max_model_len: int, dtype: torch.dtype,
-                device: torch.device) -> StepInputs:
+def blocks_per_sequence(context: int, block_size: int) -> int:
+    """KV blocks a sequence of context tokens and its new one holds."""
+    return -(-(context + 1) // block_size)
+
+
+def step_inputs(config: ModelConfig, block_size: int, batch: int, context: int, max_model_len: int,
+                dtype: torch.dtype, device: torch.device) -> StepInputs:
     from worker_service.attention.triton_decode import choose_num_splits, new_decode_scratch
 
-    s = shapes
-    blocks_per_seq = -(-(context + 1) // s.block_size)
-    tables = torch.arange(batch * blocks_per_seq, dtype=torch.int32, device=device).view(batch, blocks_per_seq)
+    c = config
+    blocks = blocks_per_sequence(context, block_size)
+    tables = torch.arange(batch * blocks, dtype=torch.int32, device=device).view(batch, blocks)
     positions = torch.full((batch,), context, dtype=torch.int64, device=device)
-    slots = tables[:, context // s.block_size].long() * s.block_size + context % s.block_size
-    angles = torch.arange(max_model_len, device=device)[:, None] * 1e-4 ** (
-        torch.arange(s.head_dim // 2, device=device) / (s.head_dim // 2))
-    num_splits = choose_num_splits(batch, s.kv_heads, max_model_len, device)  # as a captured graph has
-    workspace, counters = new_decode_scratch(batch, s.heads, s.kv_heads, s.head_dim, num_splits, device)
-    qkv_width = (s.heads + 2 * s.kv_heads) * s.head_dim
+    slots = tables[:, context // block_size].long() * block_size + context % block_size
+    rotary = RotaryEmbedding(c.head_dim, max_model_len, c.rope_theta, c.rope_scaling).to(device)
+    num_splits = choose_num_splits(batch, c.num_kv_heads, max_model_len, device)  # as a captured graph has
+    workspace, counters = new_decode_scratch(batch, c.num_heads, c.num_kv_heads, c.head_dim, num_splits, device)
+    qkv_width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
     new = lambda *shape: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
+    heads = new(batch, c.num_heads, c.head_dim)
     return StepInputs(
         positions=positions, slots=slots, tables=tables,
         seq_lens=torch.full((batch,), context + 1, dtype=torch.int32, device=device),
-        cos=angles.cos().float(), sin=angles.sin().float(), num_splits=num_splits,
+        cos=rotary.cos, sin=rotary.sin, num_splits=num_splits,
         workspace=workspace, counters=counters,
-        placeholders={"qkv": (new(batch, qkv_width), new(batch, s.hidden)),
-                      "rope+store": new(batch, s.heads, s.head_dim), "attention": new(batch, s.heads, s.head_dim),
-                      "o": new(batch, s.hidden), "gate_up": (new(batch, 2 * s.intermediate), new(batch, s.hidden)),
-                      "down": new(batch, s.hidden)})
+        placeholders={"qkv": (new(batch, qkv_width), new(batch, c.hidden_size)), "rope+store": heads,
+                      "attention": heads, "o": new(batch, c.hidden_size),
+                      "gate_up": (new(batch, 2 * c.intermediate_size), new(batch, c.hidden_size)),
+                      "down": new(batch, c.hidden_size)})
 
 
 def _runner(skipped: frozenset[str], placeholders: dict[str, object]) -> Callable[[str, Callable[[], object]], object]:
@@ -191,13 +188,14 @@ def main() -> int:
         return smoke()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device (or --smoke)")
-    device, dtype, shapes = torch.device("cuda"), torch.bfloat16, Shapes()
+    device, dtype, config = torch.device("cuda"), torch.bfloat16, ModelConfig.from_hf_dict(QWEN3_0_6B)
     torch.manual_seed(0)
-    layers = [Layer(shapes, args.batch, args.context, dtype, device) for _ in range(args.layers)]
-    steps = step_inputs(shapes, args.batch, args.context, args.max_model_len, dtype, device)
-    hidden = torch.randn(args.batch, shapes.hidden, device=device).to(dtype)
-    kv_bytes = 2 * args.batch * (args.context + 1) * shapes.kv_heads * shapes.head_dim * 2
-    floor = (shapes.weight_bytes(2) + kv_bytes) / args.bandwidth
+    layers = [Layer(config, BLOCK_SIZE, args.batch, args.context, dtype, device) for _ in range(args.layers)]
+    steps = step_inputs(config, BLOCK_SIZE, args.batch, args.context, args.max_model_len, dtype, device)
+    hidden = torch.randn(args.batch, config.hidden_size, device=device).to(dtype)
+    # One layer's products and its sequences' K/V, read once (memory_floor's counts).
+    kv_bytes = args.batch * (args.context + 1) * kv_bytes_per_token(config, fp8=False) / config.num_layers
+    floor = (2 * (attention_params(config) + dense_mlp_params(config)) + kv_bytes) / args.bandwidth
     print(f"{torch.cuda.get_device_name()}: batch {args.batch}, context {args.context}, {args.layers} layers, "
           f"{steps.num_splits} decode splits, PDL {'off' if args.without_pdl else 'on'}; floor a layer "
           f"{floor * 1e6:.2f} us (weights and K/V at {args.bandwidth / 1e12:.1f} TB/s)")
@@ -217,9 +215,10 @@ def smoke() -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float16  # the interpreter's bf16 tl.dot is wrong (tests/worker_service/test_triton_attention.py)
     torch.manual_seed(0)
-    layers = [Layer(TINY, 2, 40, dtype, device)]
-    steps = step_inputs(TINY, 2, 40, 256, dtype, device)
-    hidden = torch.randn(2, TINY.hidden, device=device).to(dtype)
+    config = ModelConfig.from_hf_dict(TINY)
+    layers = [Layer(config, TINY_BLOCK_SIZE, 2, 40, dtype, device)]
+    steps = step_inputs(config, TINY_BLOCK_SIZE, 2, 40, 256, dtype, device)
+    hidden = torch.randn(2, config.hidden_size, device=device).to(dtype)
     for name, skipped in variants()[:2] + variants()[-6:-5]:
         out = chain(layers, steps, hidden, skipped)
         assert out.shape == hidden.shape and bool(torch.isfinite(out).all()), name

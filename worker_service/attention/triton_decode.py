@@ -234,7 +234,7 @@ def new_decode_scratch(num_seqs: int, num_heads: int, num_kv_heads: int, head_di
             torch.zeros(decode_counters_numel(num_seqs, num_kv_heads, num_splits), dtype=torch.int32, device=device))
 
 
-def _scratch(buffer: torch.Tensor | None, what: str, needed: int, dtype: torch.dtype,
+def _checked_or_new(buffer: torch.Tensor | None, what: str, needed: int, dtype: torch.dtype,
              device: torch.device) -> torch.Tensor:
     """buffer, checked to hold `needed` elements of dtype, or a zero-filled new one when None."""
     if buffer is None:
@@ -276,8 +276,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     is_split = num_splits > 1
     if is_split:
         needed = decode_workspace_numel(num_seqs, num_heads, head_dim, num_splits)
-        workspace = _scratch(workspace, "workspace", needed, torch.float32, q.device)
-        counters = _scratch(counters, "counters", decode_counters_numel(num_seqs, num_kv_heads, num_splits),
+        workspace = _checked_or_new(workspace, "workspace", needed, torch.float32, q.device)
+        counters = _checked_or_new(counters, "counters", decode_counters_numel(num_seqs, num_kv_heads, num_splits),
                             torch.int32, q.device)
         split_area = num_seqs * num_heads * num_splits
         partial_out = workspace[:split_area * head_dim].view(num_seqs, num_heads, num_splits, head_dim)
