@@ -9,7 +9,10 @@ nothing is read from L2) is captured in a CUDA graph and replayed: whole, with o
 out (what that kernel costs the chain), and with only one kind kept (what it costs on its own). The
 floor beside it: the weights and the K/V read once at --bandwidth.
 
-    python bench/decode_chain.py [--batch 1] [--context 768] [--layers 28] [--without-pdl]
+    python bench/decode_chain.py [--batch 1] [--context 768] [--layers 28] [--without-pdl] [--sweep-products]
+
+--sweep-products times each product alone in the chain with other tilings (SkinnyConfig) beside the one
+triton_skinny_matmul._config picks: the tiling under PDL, where a product's weights load before it waits.
 
 --smoke runs the chain once on tiny shapes without timing (on the CPU through Triton's interpreter:
 tests/worker_service/test_bench_decode_chain.py), so that the script is known to run before device time
@@ -26,10 +29,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+import triton  # noqa: E402
 
 from bench.memory_floor import attention_params, dense_mlp_params, kv_bytes_per_token  # noqa: E402
 from bench.random_checkpoint import QWEN3_0_6B  # noqa: E402
 from worker_service.layers.rotary import RotaryEmbedding  # noqa: E402
+from worker_service.layers.triton_skinny_matmul import (  # noqa: E402
+    SkinnyConfig,
+    _config,
+    skinny_linear,
+    skinny_norm_linear,
+    skinny_silu_linear,
+)
 from worker_service.models.config import ModelConfig  # noqa: E402
 
 KINDS = ("qkv", "rope+store", "attention", "o", "gate_up", "down")
@@ -59,18 +70,18 @@ class Layer:
         self.k_cache = torch.randn(cache_shape, device=device).to(dtype)
         self.v_cache = torch.randn(cache_shape, device=device).to(dtype)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor, steps: StepInputs,
-                skipped: frozenset[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor, steps: StepInputs, skipped: frozenset[str],
+                tilings: dict[str, SkinnyConfig]) -> tuple[torch.Tensor, torch.Tensor]:
         from worker_service.attention.triton_decode import paged_decode
         from worker_service.attention.triton_rope_store import rope_and_store
-        from worker_service.layers.triton_skinny_matmul import skinny_linear, skinny_norm_linear, skinny_silu_linear
 
         c = self.config
         batch = hidden.shape[0]
         q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         run = _runner(skipped, steps.placeholders)
         eps = c.rms_norm_eps
-        qkv, total = run("qkv", lambda: skinny_norm_linear(hidden, residual, self.norms[0], eps, self.w_qkv))
+        qkv, total = run("qkv", lambda: skinny_norm_linear(hidden, residual, self.norms[0], eps, self.w_qkv,
+                                                                config=tilings.get("qkv")))
         q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
         q = run("rope+store", lambda: rope_and_store(
             q.view(batch, c.num_heads, c.head_dim), k.view(batch, c.num_kv_heads, c.head_dim),
@@ -79,9 +90,10 @@ class Layer:
         attended = run("attention", lambda: paged_decode(
             q.view(batch, c.num_heads, c.head_dim), self.k_cache, self.v_cache, steps.tables, steps.seq_lens,
             c.head_dim ** -0.5, steps.num_splits, steps.workspace, counters=steps.counters))
-        o = run("o", lambda: skinny_linear(attended.reshape(batch, q_width), self.w_o))
-        gate_up, total = run("gate_up", lambda: skinny_norm_linear(o, total, self.norms[1], eps, self.w_gate_up))
-        return run("down", lambda: skinny_silu_linear(gate_up, self.w_down)), total
+        o = run("o", lambda: skinny_linear(attended.reshape(batch, q_width), self.w_o, config=tilings.get("o")))
+        gate_up, total = run("gate_up", lambda: skinny_norm_linear(o, total, self.norms[1], eps, self.w_gate_up,
+                                                                    config=tilings.get("gate_up")))
+        return run("down", lambda: skinny_silu_linear(gate_up, self.w_down, config=tilings.get("down"))), total
 
 
 @dataclass
@@ -139,10 +151,11 @@ def _runner(skipped: frozenset[str], placeholders: dict[str, object]) -> Callabl
     return run
 
 
-def chain(layers: list[Layer], steps: StepInputs, hidden: torch.Tensor, skipped: frozenset[str]) -> torch.Tensor:
+def chain(layers: list[Layer], steps: StepInputs, hidden: torch.Tensor, skipped: frozenset[str],
+          tilings: dict[str, SkinnyConfig] | None = None) -> torch.Tensor:
     residual = torch.zeros_like(hidden)
     for layer in layers:
-        hidden, residual = layer.forward(hidden, residual, steps, skipped)
+        hidden, residual = layer.forward(hidden, residual, steps, skipped, tilings or {})
     return hidden
 
 
@@ -178,6 +191,7 @@ def main() -> int:
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s the floor assumes (an H200's copy)")
     parser.add_argument("--without-pdl", action="store_true", help="launch the kernels without PDL")
+    parser.add_argument("--sweep-products", action="store_true", help="each product alone under other tilings")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one eager pass, no timing")
     args = parser.parse_args()
     if args.without_pdl:
@@ -206,7 +220,38 @@ def main() -> int:
         whole = per_layer if whole is None else whole
         saved = f"   leaving it out saves {whole - per_layer:6.2f} us" if name.startswith("without") else ""
         print(f"{name:<22} {per_layer:7.2f} us a layer{saved}", flush=True)
+    if args.sweep_products:
+        sweep_products(layers, steps, hidden, args.replays)
     return 0
+
+
+def product_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(N, K) of each product kind's weight."""
+    c = config
+    return {"qkv": ((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size),
+            "o": (c.hidden_size, c.num_heads * c.head_dim), "gate_up": (2 * c.intermediate_size, c.hidden_size),
+            "down": (c.hidden_size, c.intermediate_size)}
+
+
+def tilings_to_try(batch: int, n: int, k: int) -> list[SkinnyConfig]:
+    """_config's tiling first, then the CUDA-core one-pass tilings of other widths and warp counts."""
+    chosen = _config(batch, n, k)
+    if chosen.use_dot:
+        return [chosen]
+    others = [SkinnyConfig(block_n, chosen.block_k, warps, 1, False) for block_n in (1, 2, 4, 8, 16)
+              for warps in (2, 4, 8) if block_n * chosen.block_k <= 32768]
+    return [chosen] + [tiling for tiling in others if tiling != chosen]
+
+
+def sweep_products(layers: list[Layer], steps: StepInputs, hidden: torch.Tensor, replays: int) -> None:
+    everything = frozenset(KINDS)
+    for kind, (n, k) in product_shapes(layers[0].config).items():
+        for tiling in tilings_to_try(hidden.shape[0], n, k):
+            seconds = time_graph(lambda kind=kind, tiling=tiling: chain(layers, steps, hidden, everything - {kind},
+                                                                        {kind: tiling}), replays)
+            print(f"{kind:<8} alone N {n:5d} K {k:5d} block_n {tiling.block_n:2d} block_k {tiling.block_k:4d} "
+                  f"warps {tiling.num_warps}: {seconds / len(layers) * 1e6:6.2f} us a layer "
+                  f"({triton.cdiv(n, tiling.block_n)} programs)", flush=True)
 
 
 def smoke() -> int:

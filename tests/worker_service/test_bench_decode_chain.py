@@ -21,3 +21,14 @@ def test_the_variants_leave_each_kind_out_once_and_keep_each_alone_once() -> Non
     for name, skipped in decode_chain.variants()[1:]:
         kind = name.removeprefix("without ").removesuffix(" alone")
         assert skipped == ({kind} if name.startswith("without") else kinds - {kind})
+
+
+def test_the_product_sweep_tries_the_chosen_tiling_first_then_each_other_once() -> None:
+    from worker_service.models.config import ModelConfig
+
+    config = ModelConfig.from_hf_dict(decode_chain.QWEN3_0_6B)
+    for n, k in decode_chain.product_shapes(config).values():
+        tilings = decode_chain.tilings_to_try(1, n, k)
+        assert tilings[0] == decode_chain._config(1, n, k)
+        assert len(set(tilings)) == len(tilings) > 1
+        assert all(not tiling.use_dot and tiling.block_k == tilings[0].block_k for tiling in tilings)

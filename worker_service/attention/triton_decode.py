@@ -39,7 +39,7 @@ from worker_service.attention.triton_common import (
     scale_operands,
     widen_fp8_in_registers,
 )
-from worker_service.attention.triton_paging import load_page_ids, token_offsets
+from worker_service.attention.triton_paging import load_page_ids, prefetch_to_l2, row_lines, token_offsets
 from worker_service.layers.fused_kernels import num_sms
 from worker_service.layers.triton_pdl import pdl_options, wait_for_previous_kernel
 
@@ -73,19 +73,33 @@ def _decode_kernel(
     stride_pl_seq, stride_pl_head,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, BLOCK_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    IS_FP8: tl.constexpr, WIDEN_V_IN_REGISTERS: tl.constexpr, PDL: tl.constexpr,
+    IS_FP8: tl.constexpr, WIDEN_V_IN_REGISTERS: tl.constexpr, LINE_ELEMENTS: tl.constexpr,
+    ROW_LINES: tl.constexpr, PDL: tl.constexpr,
 ):
-    if PDL:
-        wait_for_previous_kernel()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
+    # Under PDL the lengths and block tables are read before the wait: the forward's inputs, copied
+    # in before its first kernel, which no kernel writes (layers/triton_pdl). So is the first tile's
+    # K/V asked of L2, the newest token's included (see prefetch_to_l2): the reads of the context
+    # start while the kernel before (rope and the K/V store) finishes.
     seq_len = tl.load(seq_lens_ptr + seq)
     # Equal pieces rounded up to whole tiles, so that tiles never straddle two splits.
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    k_head = k_cache_ptr + kv_head * stride_k_head
+    v_head = v_cache_ptr + kv_head * stride_v_head
+    k_scale_head = k_scale_ptr + kv_head * stride_s_head
+    v_scale_head = v_scale_ptr + kv_head * stride_s_head
+    page_ids = load_page_ids(table, start, end, BLOCK_SIZE, BLOCK_N)
+    if PDL:
+        _prefetch_tile(page_ids, start, k_head, v_head, k_scale_head, v_scale_head, stride_k_block, stride_k_tok,
+                       stride_v_block, stride_v_tok, stride_s_block, stride_s_tok, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+                       LINE_ELEMENTS, ROW_LINES, IS_FP8)
+        wait_for_previous_kernel()
 
     rows = tl.arange(0, BLOCK_H)  # query heads of this KV head's group, padded to a dot-friendly size
     dims = tl.arange(0, HEAD_DIM)
@@ -108,12 +122,6 @@ def _decode_kernel(
     # warps in every tile would cost a shared-memory round trip and barriers.
     l_cols = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    k_head = k_cache_ptr + kv_head * stride_k_head
-    v_head = v_cache_ptr + kv_head * stride_v_head
-    k_scale_head = k_scale_ptr + kv_head * stride_s_head
-    v_scale_head = v_scale_ptr + kv_head * stride_s_head
-    page_ids = load_page_ids(table, start, end, BLOCK_SIZE, BLOCK_N)
     for tile_start in range(start, end, BLOCK_N):
         col_mask = tile_start + cols < end
         k_rows = k_head + token_offsets(page_ids, tile_start, stride_k_block, stride_k_tok, BLOCK_SIZE, BLOCK_N)
@@ -172,6 +180,23 @@ def _decode_kernel(
     else:
         o = out_ptr + seq.to(tl.int64) * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :]
         tl.store(o, out_tile.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+@triton.jit
+def _prefetch_tile(page_ids, tile_start, k_head, v_head, k_scale_head, v_scale_head, stride_k_block, stride_k_tok,
+                   stride_v_block, stride_v_tok, stride_s_block, stride_s_tok, HEAD_DIM: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, LINE_ELEMENTS: tl.constexpr,
+                   ROW_LINES: tl.constexpr, IS_FP8: tl.constexpr):
+    """Asks L2 for the tile's K and V rows (and an fp8 cache's scales). Rows past the context lie in
+    the same page (or page 0: load_page_ids), inside the cache."""
+    prefetch_to_l2(k_head + token_offsets(page_ids, tile_start, stride_k_block, stride_k_tok, BLOCK_SIZE, BLOCK_N),
+                   HEAD_DIM, LINE_ELEMENTS, ROW_LINES)
+    prefetch_to_l2(v_head + token_offsets(page_ids, tile_start, stride_v_block, stride_v_tok, BLOCK_SIZE, BLOCK_N),
+                   HEAD_DIM, LINE_ELEMENTS, ROW_LINES)
+    if IS_FP8:
+        scale_rows = token_offsets(page_ids, tile_start, stride_s_block, stride_s_tok, BLOCK_SIZE, BLOCK_N)
+        prefetch_to_l2(k_scale_head + scale_rows, 1, 1, 1)
+        prefetch_to_l2(v_scale_head + scale_rows, 1, 1, 1)
 
 
 @triton.jit
@@ -285,6 +310,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                                                                                        num_splits)
     else:
         partial_out = partial_lse = counters = out  # unused by the kernel's IS_SPLIT=False branch
+    line_elements, lines_a_row = row_lines(head_dim, k_cache.element_size())
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse,
         counters, k_scale, v_scale, scale * LOG2E, num_splits, num_kv_heads,
@@ -301,6 +327,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         BLOCK_SPLITS=triton.next_power_of_2(num_splits),
         DOT_PRECISION=dot_precision(compute_dtype(q, k_cache)), IS_FP8=fp8,
         WIDEN_V_IN_REGISTERS=fp8 and q.is_cuda,  # inline PTX: not under the CPU interpreter
+        LINE_ELEMENTS=line_elements, ROW_LINES=lines_a_row,
         num_warps=num_warps, num_stages=num_stages, **pdl_options(q.device),
     )
     return out
