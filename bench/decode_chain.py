@@ -13,6 +13,8 @@ floor beside it: the weights and the K/V read once at --bandwidth.
 
 --sweep-products times each product alone in the chain with other tilings (SkinnyConfig) beside the one
 triton_skinny_matmul._config picks: the tiling under PDL, where a product's weights load before it waits.
+--sweep-attention times the attention alone and the whole chain at other split counts and tile widths
+(--num-splits and --decode-block-n set one of them for every run).
 
 --smoke runs the chain once on tiny shapes without timing (on the CPU through Triton's interpreter:
 tests/worker_service/test_bench_decode_chain.py), so that the script is known to run before device time
@@ -89,7 +91,8 @@ class Layer:
             self.v_cache, steps.slots, q_norm_weight=self.head_norms[0], k_norm_weight=self.head_norms[1], eps=eps))
         attended = run("attention", lambda: paged_decode(
             q.view(batch, c.num_heads, c.head_dim), self.k_cache, self.v_cache, steps.tables, steps.seq_lens,
-            c.head_dim ** -0.5, steps.num_splits, steps.workspace, counters=steps.counters))
+            c.head_dim ** -0.5, steps.num_splits, steps.workspace, counters=steps.counters,
+            block_n=steps.decode_block_n, min_split_tiles=steps.min_split_tiles))
         o = run("o", lambda: skinny_linear(attended.reshape(batch, q_width), self.w_o, config=tilings.get("o")))
         gate_up, total = run("gate_up", lambda: skinny_norm_linear(o, total, self.norms[1], eps, self.w_gate_up,
                                                                     config=tilings.get("gate_up")))
@@ -108,6 +111,8 @@ class StepInputs:
     cos: torch.Tensor
     sin: torch.Tensor
     num_splits: int
+    decode_block_n: int
+    min_split_tiles: int
     workspace: torch.Tensor | None
     counters: torch.Tensor | None
     placeholders: dict[str, object]
@@ -119,8 +124,16 @@ def blocks_per_sequence(context: int, block_size: int) -> int:
 
 
 def step_inputs(config: ModelConfig, block_size: int, batch: int, context: int, max_model_len: int,
-                dtype: torch.dtype, device: torch.device) -> StepInputs:
-    from worker_service.attention.triton_decode import choose_num_splits, new_decode_scratch
+                dtype: torch.dtype, device: torch.device, num_splits: int | None = None,
+                decode_block_n: int | None = None, min_split_tiles: int | None = None) -> StepInputs:
+    """num_splits: as a graph captured for max_model_len has when None; decode_block_n, min_split_tiles: the
+    kernel's defaults when None."""
+    from worker_service.attention.triton_decode import (
+        DECODE_BLOCK_N,
+        MIN_SPLIT_TILES,
+        choose_num_splits,
+        new_decode_scratch,
+    )
 
     c = config
     blocks = blocks_per_sequence(context, block_size)
@@ -128,7 +141,7 @@ def step_inputs(config: ModelConfig, block_size: int, batch: int, context: int, 
     positions = torch.full((batch,), context, dtype=torch.int64, device=device)
     slots = tables[:, context // block_size].long() * block_size + context % block_size
     rotary = RotaryEmbedding(c.head_dim, max_model_len, c.rope_theta, c.rope_scaling).to(device)
-    num_splits = choose_num_splits(batch, c.num_kv_heads, max_model_len, device)  # as a captured graph has
+    num_splits = num_splits or choose_num_splits(batch, c.num_kv_heads, max_model_len, device)
     workspace, counters = new_decode_scratch(batch, c.num_heads, c.num_kv_heads, c.head_dim, num_splits, device)
     qkv_width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
     new = lambda *shape: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
@@ -136,7 +149,8 @@ def step_inputs(config: ModelConfig, block_size: int, batch: int, context: int, 
     return StepInputs(
         positions=positions, slots=slots, tables=tables,
         seq_lens=torch.full((batch,), context + 1, dtype=torch.int32, device=device),
-        cos=rotary.cos, sin=rotary.sin, num_splits=num_splits,
+        cos=rotary.cos, sin=rotary.sin, num_splits=num_splits, decode_block_n=decode_block_n or DECODE_BLOCK_N,
+        min_split_tiles=min_split_tiles or MIN_SPLIT_TILES,
         workspace=workspace, counters=counters,
         placeholders={"qkv": (new(batch, qkv_width), new(batch, c.hidden_size)), "rope+store": heads,
                       "attention": heads, "o": new(batch, c.hidden_size),
@@ -192,6 +206,10 @@ def main() -> int:
     parser.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s the floor assumes (an H200's copy)")
     parser.add_argument("--without-pdl", action="store_true", help="launch the kernels without PDL")
     parser.add_argument("--sweep-products", action="store_true", help="each product alone under other tilings")
+    parser.add_argument("--sweep-attention", action="store_true", help="other split counts and tile widths")
+    parser.add_argument("--num-splits", type=int, help="decode splits (default: as a graph for --max-model-len)")
+    parser.add_argument("--decode-block-n", type=int, help="context tokens per decode tile")
+    parser.add_argument("--min-split-tiles", type=int, help="the fewest tiles a decode split takes")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one eager pass, no timing")
     args = parser.parse_args()
     if args.without_pdl:
@@ -205,7 +223,8 @@ def main() -> int:
     device, dtype, config = torch.device("cuda"), torch.bfloat16, ModelConfig.from_hf_dict(QWEN3_0_6B)
     torch.manual_seed(0)
     layers = [Layer(config, BLOCK_SIZE, args.batch, args.context, dtype, device) for _ in range(args.layers)]
-    steps = step_inputs(config, BLOCK_SIZE, args.batch, args.context, args.max_model_len, dtype, device)
+    steps = step_inputs(config, BLOCK_SIZE, args.batch, args.context, args.max_model_len, dtype, device,
+                        args.num_splits, args.decode_block_n, args.min_split_tiles)
     hidden = torch.randn(args.batch, config.hidden_size, device=device).to(dtype)
     # One layer's products and its sequences' K/V, read once (memory_floor's counts).
     kv_bytes = args.batch * (args.context + 1) * kv_bytes_per_token(config, fp8=False) / config.num_layers
@@ -222,7 +241,28 @@ def main() -> int:
         print(f"{name:<22} {per_layer:7.2f} us a layer{saved}", flush=True)
     if args.sweep_products:
         sweep_products(layers, steps, hidden, args.replays)
+    if args.sweep_attention:
+        sweep_attention(args, config, layers, hidden, dtype, device)
     return 0
+
+
+def sweep_attention(args: argparse.Namespace, config: ModelConfig, layers: list[Layer], hidden: torch.Tensor,
+                    dtype: torch.dtype, device: torch.device) -> None:
+    """The attention alone and the whole chain: at each split count and tile width, then at the graph's
+    split count with a few smallest splits."""
+    graph_splits = step_inputs(config, BLOCK_SIZE, args.batch, args.context, args.max_model_len, dtype,
+                               device).num_splits
+    settings = [(num_splits, block_n, 1) for num_splits in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+                for block_n in (32, 64, 128)]
+    settings += [(graph_splits, block_n, tiles) for block_n in (32, 64, 128) for tiles in (2, 3, 4, 6, 8)]
+    for num_splits, block_n, tiles in settings:
+        swept = step_inputs(config, BLOCK_SIZE, args.batch, args.context, args.max_model_len, dtype, device,
+                            num_splits, block_n, tiles)
+        alone, whole = (time_graph(lambda skipped=skipped: chain(layers, swept, hidden, skipped),  # noqa: B023
+                                   args.replays) / args.layers * 1e6
+                        for skipped in (frozenset(KINDS) - {"attention"}, frozenset()))
+        print(f"attention {num_splits:2d} splits of >= {tiles} tiles of {block_n:3d}: alone {alone:6.2f} us a layer, "
+              f"all six {whole:6.2f}", flush=True)
 
 
 def product_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:

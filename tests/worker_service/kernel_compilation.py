@@ -48,7 +48,6 @@ def variants() -> list[Variant]:
         _decode_kernel,
         decode_num_warps,
     )
-    from worker_service.attention.triton_paging import row_lines
     from worker_service.attention.triton_prefill import _prefill_kernel
     from worker_service.attention.triton_rope_store import _rope_store_kernel
     from worker_service.attention.triton_store_kv import _store_kv_kernel
@@ -65,9 +64,7 @@ def variants() -> list[Variant]:
     result = [
         Variant(f"decode split={is_split} fp8={fp8}", _decode_kernel,
                 dict(cache, GROUP=2, BLOCK_H=16, BLOCK_N=DECODE_BLOCK_N, IS_SPLIT=is_split, BLOCK_SPLITS=4,
-                     DOT_PRECISION="tf32", IS_FP8=fp8, WIDEN_V_IN_REGISTERS=fp8,
-                     **dict(zip(("LINE_ELEMENTS", "ROW_LINES"), row_lines(128, 1 if fp8 else 2), strict=True)),
-                     PDL=True),
+                     DOT_PRECISION="tf32", IS_FP8=fp8, WIDEN_V_IN_REGISTERS=fp8, PDL=True),
                 dict(tables, partial_out_ptr="fp32", partial_lse_ptr="fp32", counters_ptr="i32", **kv_types[fp8]),
                 ("scale_log2",),
                 options=dict(num_warps=decode_num_warps(fp8), num_stages=DECODE_NUM_STAGES, launch_pdl=True))
@@ -197,8 +194,7 @@ def compile_all() -> list[str]:
         compiled = triton.compile(source, target=GPUTarget(*SM90), options=variant.options)
         ptx = compiled.asm["ptx"]
         lines.append(f"{variant.name}: {compiled.metadata.name}, {len(compiled.asm['cubin'])} bytes of cubin, "
-                     f"{ptx[:ptx.find('griddepcontrol.wait')].count('prefetch.global.L2')} L2 prefetches before "
-                     f"the wait, {ptx.count('atom.global.gpu.acq_rel')} acq_rel atomics, "
+                     f"{ptx.count('atom.global.gpu.acq_rel')} acq_rel atomics, "
                      f"{ptx.count('griddepcontrol.wait')} griddepcontrol.wait")
     return lines
 

@@ -20,8 +20,8 @@ launch a layer instead of a second, merging kernel; bench/results/2026-12-02-h20
 Every sequence's context is cut into num_splits equal pieces inside the kernel (from its own
 seq_len), so the grid, the workspace and the launch depend only on num_seqs and num_splits: a CUDA
 graph captured once replays correctly for any context lengths. Splits beyond a short sequence's
-context (and sequences with seq_len 0, e.g. graph padding) write neutral partials (lse = -inf,
-output 0) and are left out of the merge.
+context return at once (after the wait): the counter counts only the splits that hold tokens, and
+sequences with seq_len 0 (graph padding) get zeros from their split 0.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from worker_service.attention.triton_common import (
     scale_operands,
     widen_fp8_in_registers,
 )
-from worker_service.attention.triton_paging import load_page_ids, prefetch_to_l2, row_lines, token_offsets
+from worker_service.attention.triton_paging import load_page_ids, token_offsets
 from worker_service.layers.fused_kernels import num_sms
 from worker_service.layers.triton_pdl import pdl_options, wait_for_previous_kernel
 
@@ -55,14 +55,15 @@ DECODE_NUM_STAGES = 3  # next tile's K/V in flight while this one computes (>= 3
 TARGET_WAVES = 4  # aim for this many programs per multiprocessor when splitting
 MIN_TOKENS_PER_SPLIT = 128  # below this a split's fixed cost (q load, partial write, merge) dominates
 MAX_NUM_SPLITS = 64
+MIN_SPLIT_TILES = 1  # a split's fewest tiles when a sequence is shorter than its graph's splits allow
 
 
 # Per-batch values, not compile-time ones (Triton would otherwise compile a variant for 1 and for
 # multiples of 16 of each while serving).
-@triton.jit(do_not_specialize=["num_splits", "stride_bt_seq"])
+@triton.jit(do_not_specialize=["num_splits", "min_split_tiles", "stride_bt_seq"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
-    counters_ptr, k_scale_ptr, v_scale_ptr, scale_log2, num_splits, num_kv_heads,
+    counters_ptr, k_scale_ptr, v_scale_ptr, scale_log2, num_splits, min_split_tiles, num_kv_heads,
     stride_q_tok, stride_q_head,
     stride_k_block, stride_k_tok, stride_k_head,
     stride_v_block, stride_v_tok, stride_v_head,
@@ -73,33 +74,24 @@ def _decode_kernel(
     stride_pl_seq, stride_pl_head,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, BLOCK_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    IS_FP8: tl.constexpr, WIDEN_V_IN_REGISTERS: tl.constexpr, LINE_ELEMENTS: tl.constexpr,
-    ROW_LINES: tl.constexpr, PDL: tl.constexpr,
+    IS_FP8: tl.constexpr, WIDEN_V_IN_REGISTERS: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        wait_for_previous_kernel()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    # Under PDL the lengths and block tables are read before the wait: the forward's inputs, copied
-    # in before its first kernel, which no kernel writes (layers/triton_pdl). So is the first tile's
-    # K/V asked of L2, the newest token's included (see prefetch_to_l2): the reads of the context
-    # start while the kernel before (rope and the K/V store) finishes.
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Equal pieces rounded up to whole tiles, so that tiles never straddle two splits.
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    # Equal pieces of whole tiles (tiles never straddle two splits), at least min_split_tiles each.
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits), min_split_tiles) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    k_head = k_cache_ptr + kv_head * stride_k_head
-    v_head = v_cache_ptr + kv_head * stride_v_head
-    k_scale_head = k_scale_ptr + kv_head * stride_s_head
-    v_scale_head = v_scale_ptr + kv_head * stride_s_head
-    page_ids = load_page_ids(table, start, end, BLOCK_SIZE, BLOCK_N)
-    if PDL:
-        _prefetch_tile(page_ids, start, k_head, v_head, k_scale_head, v_scale_head, stride_k_block, stride_k_tok,
-                       stride_v_block, stride_v_tok, stride_s_block, stride_s_tok, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
-                       LINE_ELEMENTS, ROW_LINES, IS_FP8)
-        wait_for_previous_kernel()
+    # The splits that hold tokens (split 0 also when there are none, to write the zeros); the others
+    # have nothing to do: a CUDA graph's grid has splits for the longest context.
+    num_filled = tl.maximum(tl.cdiv(seq_len, split_len), 1)
+    if IS_SPLIT and split >= num_filled:
+        return
 
     rows = tl.arange(0, BLOCK_H)  # query heads of this KV head's group, padded to a dot-friendly size
     dims = tl.arange(0, HEAD_DIM)
@@ -122,6 +114,12 @@ def _decode_kernel(
     # warps in every tile would cost a shared-memory round trip and barriers.
     l_cols = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    k_head = k_cache_ptr + kv_head * stride_k_head
+    v_head = v_cache_ptr + kv_head * stride_v_head
+    k_scale_head = k_scale_ptr + kv_head * stride_s_head
+    v_scale_head = v_scale_ptr + kv_head * stride_s_head
+    page_ids = load_page_ids(table, start, end, BLOCK_SIZE, BLOCK_N)
     for tile_start in range(start, end, BLOCK_N):
         col_mask = tile_start + cols < end
         k_rows = k_head + token_offsets(page_ids, tile_start, stride_k_block, stride_k_tok, BLOCK_SIZE, BLOCK_N)
@@ -167,11 +165,9 @@ def _decode_kernel(
         # GPU scope, so the last program's loads (L2, .cg: not a stale L1 line) see every split's.
         tl.debug_barrier()
         counter = counters_ptr + seq * num_kv_heads + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_filled - 1:
             tl.store(counter, 0)  # ready for the next launch (the next layer, the next graph replay)
             o = out_ptr + seq.to(tl.int64) * stride_o_tok
-            # Only the splits that hold tokens: a CUDA graph's grid has splits for the longest context.
-            num_filled = tl.cdiv(seq_len, tl.maximum(split_len, 1))
             for row in tl.static_range(GROUP):
                 head = kv_head * GROUP + row
                 merged = _merge_head(po + head * stride_po_head, pl + head * stride_pl_head, num_filled,
@@ -180,23 +176,6 @@ def _decode_kernel(
     else:
         o = out_ptr + seq.to(tl.int64) * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :]
         tl.store(o, out_tile.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
-
-
-@triton.jit
-def _prefetch_tile(page_ids, tile_start, k_head, v_head, k_scale_head, v_scale_head, stride_k_block, stride_k_tok,
-                   stride_v_block, stride_v_tok, stride_s_block, stride_s_tok, HEAD_DIM: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, LINE_ELEMENTS: tl.constexpr,
-                   ROW_LINES: tl.constexpr, IS_FP8: tl.constexpr):
-    """Asks L2 for the tile's K and V rows (and an fp8 cache's scales). Rows past the context lie in
-    the same page (or page 0: load_page_ids), inside the cache."""
-    prefetch_to_l2(k_head + token_offsets(page_ids, tile_start, stride_k_block, stride_k_tok, BLOCK_SIZE, BLOCK_N),
-                   HEAD_DIM, LINE_ELEMENTS, ROW_LINES)
-    prefetch_to_l2(v_head + token_offsets(page_ids, tile_start, stride_v_block, stride_v_tok, BLOCK_SIZE, BLOCK_N),
-                   HEAD_DIM, LINE_ELEMENTS, ROW_LINES)
-    if IS_FP8:
-        scale_rows = token_offsets(page_ids, tile_start, stride_s_block, stride_s_tok, BLOCK_SIZE, BLOCK_N)
-        prefetch_to_l2(k_scale_head + scale_rows, 1, 1, 1)
-        prefetch_to_l2(v_scale_head + scale_rows, 1, 1, 1)
 
 
 @triton.jit
@@ -273,7 +252,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  seq_lens: torch.Tensor, scale: float, num_splits: int, workspace: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, *, counters: torch.Tensor | None = None,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                 block_n: int = DECODE_BLOCK_N, num_warps: int | None = None,
+                 block_n: int = DECODE_BLOCK_N, min_split_tiles: int = MIN_SPLIT_TILES, num_warps: int | None = None,
                  num_stages: int = DECODE_NUM_STAGES) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
@@ -283,7 +262,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     at least decode_counters_numel(...), both needed when num_splits > 1 (allocated here when None;
     preallocate them for CUDA graph capture). out: [num_seqs, num_heads, head_dim], allocated when None.
     k_scale, v_scale: an fp8 cache's per-head-vector scales, float32 [num_blocks, block_size,
-    num_kv_heads] (kv_quant; None otherwise). block_n, num_warps
+    num_kv_heads] (kv_quant; None otherwise). block_n, min_split_tiles, num_warps
     (decode_num_warps when None), num_stages: tuning knobs (see the bench).
     Launches only, no host sync.
     """
@@ -310,10 +289,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                                                                                        num_splits)
     else:
         partial_out = partial_lse = counters = out  # unused by the kernel's IS_SPLIT=False branch
-    line_elements, lines_a_row = row_lines(head_dim, k_cache.element_size())
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse,
-        counters, k_scale, v_scale, scale * LOG2E, num_splits, num_kv_heads,
+        counters, k_scale, v_scale, scale * LOG2E, num_splits, min_split_tiles, num_kv_heads,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -327,7 +305,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         BLOCK_SPLITS=triton.next_power_of_2(num_splits),
         DOT_PRECISION=dot_precision(compute_dtype(q, k_cache)), IS_FP8=fp8,
         WIDEN_V_IN_REGISTERS=fp8 and q.is_cuda,  # inline PTX: not under the CPU interpreter
-        LINE_ELEMENTS=line_elements, ROW_LINES=lines_a_row,
         num_warps=num_warps, num_stages=num_stages, **pdl_options(q.device),
     )
     return out

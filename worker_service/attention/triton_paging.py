@@ -6,10 +6,6 @@ K/V addresses of a tile instead depend on a load made in the same iteration, Tri
 pipeliner keeps a single shared-memory buffer (seen in the sm_90 PTX of Triton 3.6: wait_group 0
 and one stage of K/V), so nothing overlaps the next tile's loads within a program; carried across
 iterations, it multi-buffers as num_stages asks.
-
-prefetch_to_l2 lets a kernel launched with PDL (layers/triton_pdl) start a tile's reads before it
-waits for the previous kernel: an L2 prefetch returns no value and L2 is where every multiprocessor's
-writes meet, so a line the previous kernel writes afterwards is read new by the loads after the wait.
 """
 from __future__ import annotations
 
@@ -41,22 +37,3 @@ def token_offsets(page_ids, tile_start, stride_block, stride_token, BLOCK_SIZE: 
     else:
         offsets = page_ids.to(tl.int64) * stride_block + ((tile_start + cols) % BLOCK_SIZE) * stride_token
     return offsets
-
-
-L2_LINE_BYTES = 128
-
-
-@triton.jit
-def prefetch_to_l2(rows, ROW_ELEMENTS: tl.constexpr, LINE_ELEMENTS: tl.constexpr, ROW_LINES: tl.constexpr):
-    """Asks L2 to fetch the lines of rows of ROW_ELEMENTS elements (rows: a tensor of row starts that lie
-    inside an allocation, masked rows too; row_lines gives the other two constants). No value comes back
-    and no register waits: the program goes on at once (CUDA only: inline PTX)."""
-    starts = tl.minimum(tl.arange(0, ROW_LINES) * LINE_ELEMENTS, ROW_ELEMENTS - 1)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [rows[:, None] + starts[None, :]],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-def row_lines(row_elements: int, element_size: int) -> tuple[int, int]:
-    """(LINE_ELEMENTS, ROW_LINES) of prefetch_to_l2 for rows of row_elements elements of element_size bytes."""
-    line_elements = max(1, L2_LINE_BYTES // element_size)
-    return line_elements, triton.next_power_of_2(triton.cdiv(row_elements, line_elements))

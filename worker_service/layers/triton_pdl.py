@@ -9,10 +9,8 @@ capture the launch attribute, so the replayed steps overlap the same way.
 
 The rule that keeps this exact: a kernel launched with `**pdl_options(device)` calls
 `wait_for_previous_kernel()` (under `if PDL:`) before it reads anything an earlier kernel wrote and
-before it writes anything, in every program, before any early return. Before the wait it may read
-what no kernel of the forward writes (the forward's inputs, copied in before its first kernel) and
-ask L2 for anything (a prefetch returns no value; attention/triton_paging.prefetch_to_l2). Triton's
-interpreter (the CPU tests) has no grid dependency control: there PDL is off.
+before it writes anything, in every program, before any early return. Triton's interpreter (the
+CPU tests) has no grid dependency control: there PDL is off.
 """
 from __future__ import annotations
 
