@@ -13,6 +13,8 @@ floor beside it: the weights and the K/V read once at --bandwidth.
 
 --sweep-products times each product alone in the chain with other tilings (SkinnyConfig) beside the one
 triton_skinny_matmul._config picks: the tiling under PDL, where a product's weights load before it waits.
+--l2-prefetch times the whole chain with layers/triton_prefetch's kernel before the attention (the
+layer's o, gate/up and down weights) and before the gate/up product (the next layer's qkv weights).
 --sweep-attention times the attention alone and the whole chain at other split counts and tile widths
 (--num-splits and --decode-block-n set one of them for every run).
 
@@ -73,14 +75,16 @@ class Layer:
         self.v_cache = torch.randn(cache_shape, device=device).to(dtype)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor, steps: StepInputs, skipped: frozenset[str],
-                tilings: dict[str, SkinnyConfig]) -> tuple[torch.Tensor, torch.Tensor]:
+                tilings: dict[str, SkinnyConfig],
+                prefetches: dict[str, Callable[[], None]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """prefetches: kernels launched before the kind they are keyed by."""
         from worker_service.attention.triton_decode import paged_decode
         from worker_service.attention.triton_rope_store import rope_and_store
 
         c = self.config
         batch = hidden.shape[0]
         q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        run = _runner(skipped, steps.placeholders)
+        run = _runner(skipped, steps.placeholders, prefetches)
         eps = c.rms_norm_eps
         qkv, total = run("qkv", lambda: skinny_norm_linear(hidden, residual, self.norms[0], eps, self.w_qkv,
                                                                 config=tilings.get("qkv")))
@@ -158,19 +162,42 @@ def step_inputs(config: ModelConfig, block_size: int, batch: int, context: int, 
                       "down": new(batch, c.hidden_size)})
 
 
-def _runner(skipped: frozenset[str], placeholders: dict[str, object]) -> Callable[[str, Callable[[], object]], object]:
+def _runner(skipped: frozenset[str], placeholders: dict[str, object],
+            prefetches: dict[str, Callable[[], None]]) -> Callable[[str, Callable[[], object]], object]:
     def run(kind: str, kernel: Callable[[], object]) -> object:
+        if kind in prefetches:
+            prefetches[kind]()
         return placeholders[kind] if kind in skipped else kernel()
 
     return run
 
 
 def chain(layers: list[Layer], steps: StepInputs, hidden: torch.Tensor, skipped: frozenset[str],
-          tilings: dict[str, SkinnyConfig] | None = None) -> torch.Tensor:
+          tilings: dict[str, SkinnyConfig] | None = None,
+          prefetches: list[dict[str, Callable[[], None]]] | None = None) -> torch.Tensor:
+    """prefetches: each layer's, launched before the kinds they are keyed by."""
     residual = torch.zeros_like(hidden)
-    for layer in layers:
-        hidden, residual = layer.forward(hidden, residual, steps, skipped, tilings or {})
+    for index, layer in enumerate(layers):
+        hidden, residual = layer.forward(hidden, residual, steps, skipped, tilings or {},
+                                         prefetches[index] if prefetches else {})
     return hidden
+
+
+def prefetch_plans(layers: list[Layer]) -> dict[str, list[dict[str, Callable[[], None]]]]:
+    """Where L2 prefetch kernels go (layers/triton_prefetch): the layer's o, gate/up and down weights before
+    its attention or before its rope, with or without the next layer's qkv weights before gate/up."""
+    from worker_service.layers.triton_prefetch import L2Prefetch
+
+    mlp = [L2Prefetch([layer.w_o, layer.w_gate_up, layer.w_down]) for layer in layers]
+    next_qkv = [L2Prefetch([layer.w_qkv]) for layer in layers[1:]] + [None]
+    return {
+        "o, gate_up, down before attention": [{"attention": fetch} for fetch in mlp],
+        "o, gate_up, down before rope": [{"rope+store": fetch} for fetch in mlp],
+        "the same before attention, next qkv before gate_up": [
+            {"attention": fetch} | ({"gate_up": after} if after else {})
+            for fetch, after in zip(mlp, next_qkv, strict=True)],
+        "next qkv before gate_up only": [{"gate_up": after} if after else {} for after in next_qkv],
+    }
 
 
 def time_graph(fn: Callable[[], object], replays: int) -> float:
@@ -207,6 +234,7 @@ def main() -> int:
     parser.add_argument("--without-pdl", action="store_true", help="launch the kernels without PDL")
     parser.add_argument("--sweep-products", action="store_true", help="each product alone under other tilings")
     parser.add_argument("--sweep-attention", action="store_true", help="other split counts and tile widths")
+    parser.add_argument("--l2-prefetch", action="store_true", help="the chain with weight prefetch kernels")
     parser.add_argument("--num-splits", type=int, help="decode splits (default: as a graph for --max-model-len)")
     parser.add_argument("--decode-block-n", type=int, help="context tokens per decode tile")
     parser.add_argument("--min-split-tiles", type=int, help="the fewest tiles a decode split takes")
@@ -243,6 +271,10 @@ def main() -> int:
         sweep_products(layers, steps, hidden, args.replays)
     if args.sweep_attention:
         sweep_attention(args, config, layers, hidden, dtype, device)
+    if args.l2_prefetch:
+        for name, plan in prefetch_plans(layers).items():
+            seconds = time_graph(lambda plan=plan: chain(layers, steps, hidden, frozenset(), None, plan), args.replays)
+            print(f"all six, prefetch {name}: {seconds / args.layers * 1e6:6.2f} us a layer", flush=True)
     return 0
 
 
