@@ -13,11 +13,16 @@ nothing, so under PDL its prefetches overlap the previous kernel's tail.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
 
 from worker_service.layers.triton_pdl import pdl_options, wait_for_previous_kernel
+from worker_service.layers.triton_skinny_matmul import MAX_ROWS
+
+ENABLED = True  # benchmarks switch it off for an A/B in one process
 
 CHUNK_BYTES = 8192  # one bulk prefetch a thread
 THREADS = 64  # 2 warps: a program prefetches THREADS chunks (45 programs for the 23 MB of a 0.6B layer's MLP)
@@ -40,8 +45,8 @@ class L2Prefetch:
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         chunks = []
         for tensor in tensors:
-            if not tensor.is_contiguous() or tensor.data_ptr() % 16 or tensor.nbytes % 16:
-                raise ValueError("L2Prefetch takes contiguous tensors of 16-byte aligned addresses and sizes")
+            if not stageable(tensor):
+                raise ValueError("L2Prefetch takes contiguous CUDA tensors of 16-byte aligned addresses and sizes")
             start = tensor.data_ptr()
             chunks += [(start + offset, min(CHUNK_BYTES, tensor.nbytes - offset))
                        for offset in range(0, tensor.nbytes, CHUNK_BYTES)]
@@ -52,3 +57,25 @@ class L2Prefetch:
     def __call__(self) -> None:
         _prefetch_kernel[(triton.cdiv(self.num_chunks, THREADS),)](
             self.table, self.num_chunks, THREADS=THREADS, num_warps=THREADS // 32, **pdl_options(self.table.device))
+
+
+_plans: dict[tuple[int, ...], L2Prefetch] = {}
+
+
+def stageable(tensor: torch.Tensor) -> bool:
+    """Whether L2Prefetch takes the tensor: on CUDA, contiguous, 16-byte aligned address and size."""
+    return tensor.is_cuda and tensor.is_contiguous() and tensor.data_ptr() % 16 == 0 and tensor.nbytes % 16 == 0
+
+
+def prefetch_weights(weights: Sequence[torch.Tensor], rows: int) -> None:
+    """linear.KERNELS["prefetch_weights"] on GPUs: one L2Prefetch launch (made at the first call for these
+    weights, kept) when the products reading them take at most MAX_ROWS rows (triton_skinny_matmul's
+    decode sizes), on sm_90+ CUDA tensors; nothing otherwise."""
+    weights = [weight for weight in weights if stageable(weight)]
+    if not (ENABLED and weights and rows <= MAX_ROWS and torch.cuda.get_device_capability(weights[0].device) >= (9, 0)):
+        return
+    key = tuple(weight.data_ptr() for weight in weights)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = L2Prefetch(list(weights))
+    plan()
