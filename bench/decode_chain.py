@@ -13,10 +13,8 @@ floor beside it: the weights and the K/V read once at --bandwidth.
 
 --sweep-products times each product alone in the chain with other tilings (SkinnyConfig) beside the one
 triton_skinny_matmul._config picks: the tiling under PDL, where a product's weights load before it waits.
---l2-prefetch times the whole chain with layers/triton_prefetch's kernel before the attention (the
-layer's o, gate/up and down weights) and before the gate/up product (the next layer's qkv weights).
 --sweep-attention times the attention alone and the whole chain at other split counts and tile widths
-(--num-splits and --decode-block-n set one of them for every run).
+(--num-splits and --decode-block-n set the attention of the other runs).
 
 --smoke runs the chain once on tiny shapes without timing (on the CPU through Triton's interpreter:
 tests/worker_service/test_bench_decode_chain.py), so that the script is known to run before device time
@@ -75,16 +73,14 @@ class Layer:
         self.v_cache = torch.randn(cache_shape, device=device).to(dtype)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor, steps: StepInputs, skipped: frozenset[str],
-                tilings: dict[str, SkinnyConfig],
-                prefetches: dict[str, Callable[[], None]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """prefetches: kernels launched before the kind they are keyed by."""
+                tilings: dict[str, SkinnyConfig]) -> tuple[torch.Tensor, torch.Tensor]:
         from worker_service.attention.triton_decode import paged_decode
         from worker_service.attention.triton_rope_store import rope_and_store
 
         c = self.config
         batch = hidden.shape[0]
         q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        run = _runner(skipped, steps.placeholders, prefetches)
+        run = _runner(skipped, steps.placeholders)
         eps = c.rms_norm_eps
         qkv, total = run("qkv", lambda: skinny_norm_linear(hidden, residual, self.norms[0], eps, self.w_qkv,
                                                                 config=tilings.get("qkv")))
@@ -96,7 +92,7 @@ class Layer:
         attended = run("attention", lambda: paged_decode(
             q.view(batch, c.num_heads, c.head_dim), self.k_cache, self.v_cache, steps.tables, steps.seq_lens,
             c.head_dim ** -0.5, steps.num_splits, steps.workspace, counters=steps.counters,
-            block_n=steps.decode_block_n, min_split_tiles=steps.min_split_tiles))
+            block_n=steps.decode_block_n))
         o = run("o", lambda: skinny_linear(attended.reshape(batch, q_width), self.w_o, config=tilings.get("o")))
         gate_up, total = run("gate_up", lambda: skinny_norm_linear(o, total, self.norms[1], eps, self.w_gate_up,
                                                                     config=tilings.get("gate_up")))
@@ -116,7 +112,6 @@ class StepInputs:
     sin: torch.Tensor
     num_splits: int
     decode_block_n: int
-    min_split_tiles: int
     workspace: torch.Tensor | None
     counters: torch.Tensor | None
     placeholders: dict[str, object]
@@ -129,15 +124,9 @@ def blocks_per_sequence(context: int, block_size: int) -> int:
 
 def step_inputs(config: ModelConfig, block_size: int, batch: int, context: int, max_model_len: int,
                 dtype: torch.dtype, device: torch.device, num_splits: int | None = None,
-                decode_block_n: int | None = None, min_split_tiles: int | None = None) -> StepInputs:
-    """num_splits: as a graph captured for max_model_len has when None; decode_block_n, min_split_tiles: the
-    kernel's defaults when None."""
-    from worker_service.attention.triton_decode import (
-        DECODE_BLOCK_N,
-        MIN_SPLIT_TILES,
-        choose_num_splits,
-        new_decode_scratch,
-    )
+                decode_block_n: int | None = None) -> StepInputs:
+    """num_splits: as a graph captured for max_model_len has when None; decode_block_n: the kernel's default."""
+    from worker_service.attention.triton_decode import DECODE_BLOCK_N, choose_num_splits, new_decode_scratch
 
     c = config
     blocks = blocks_per_sequence(context, block_size)
@@ -154,7 +143,6 @@ def step_inputs(config: ModelConfig, block_size: int, batch: int, context: int, 
         positions=positions, slots=slots, tables=tables,
         seq_lens=torch.full((batch,), context + 1, dtype=torch.int32, device=device),
         cos=rotary.cos, sin=rotary.sin, num_splits=num_splits, decode_block_n=decode_block_n or DECODE_BLOCK_N,
-        min_split_tiles=min_split_tiles or MIN_SPLIT_TILES,
         workspace=workspace, counters=counters,
         placeholders={"qkv": (new(batch, qkv_width), new(batch, c.hidden_size)), "rope+store": heads,
                       "attention": heads, "o": new(batch, c.hidden_size),
@@ -162,42 +150,19 @@ def step_inputs(config: ModelConfig, block_size: int, batch: int, context: int, 
                       "down": new(batch, c.hidden_size)})
 
 
-def _runner(skipped: frozenset[str], placeholders: dict[str, object],
-            prefetches: dict[str, Callable[[], None]]) -> Callable[[str, Callable[[], object]], object]:
+def _runner(skipped: frozenset[str], placeholders: dict[str, object]) -> Callable[[str, Callable[[], object]], object]:
     def run(kind: str, kernel: Callable[[], object]) -> object:
-        if kind in prefetches:
-            prefetches[kind]()
         return placeholders[kind] if kind in skipped else kernel()
 
     return run
 
 
 def chain(layers: list[Layer], steps: StepInputs, hidden: torch.Tensor, skipped: frozenset[str],
-          tilings: dict[str, SkinnyConfig] | None = None,
-          prefetches: list[dict[str, Callable[[], None]]] | None = None) -> torch.Tensor:
-    """prefetches: each layer's, launched before the kinds they are keyed by."""
+          tilings: dict[str, SkinnyConfig] | None = None) -> torch.Tensor:
     residual = torch.zeros_like(hidden)
-    for index, layer in enumerate(layers):
-        hidden, residual = layer.forward(hidden, residual, steps, skipped, tilings or {},
-                                         prefetches[index] if prefetches else {})
+    for layer in layers:
+        hidden, residual = layer.forward(hidden, residual, steps, skipped, tilings or {})
     return hidden
-
-
-def prefetch_plans(layers: list[Layer]) -> dict[str, list[dict[str, Callable[[], None]]]]:
-    """Where L2 prefetch kernels go (layers/triton_prefetch): the layer's o, gate/up and down weights before
-    its attention or before its rope, with or without the next layer's qkv weights before gate/up."""
-    from worker_service.layers.triton_prefetch import L2Prefetch
-
-    mlp = [L2Prefetch([layer.w_o, layer.w_gate_up, layer.w_down]) for layer in layers]
-    next_qkv = [L2Prefetch([layer.w_qkv]) for layer in layers[1:]] + [None]
-    return {
-        "o, gate_up, down before attention": [{"attention": fetch} for fetch in mlp],
-        "o, gate_up, down before rope": [{"rope+store": fetch} for fetch in mlp],
-        "the same before attention, next qkv before gate_up": [
-            {"attention": fetch} | ({"gate_up": after} if after else {})
-            for fetch, after in zip(mlp, next_qkv, strict=True)],
-        "next qkv before gate_up only": [{"gate_up": after} if after else {} for after in next_qkv],
-    }
 
 
 def time_graph(fn: Callable[[], object], replays: int) -> float:
@@ -234,10 +199,8 @@ def main() -> int:
     parser.add_argument("--without-pdl", action="store_true", help="launch the kernels without PDL")
     parser.add_argument("--sweep-products", action="store_true", help="each product alone under other tilings")
     parser.add_argument("--sweep-attention", action="store_true", help="other split counts and tile widths")
-    parser.add_argument("--l2-prefetch", action="store_true", help="the chain with weight prefetch kernels")
     parser.add_argument("--num-splits", type=int, help="decode splits (default: as a graph for --max-model-len)")
     parser.add_argument("--decode-block-n", type=int, help="context tokens per decode tile")
-    parser.add_argument("--min-split-tiles", type=int, help="the fewest tiles a decode split takes")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one eager pass, no timing")
     args = parser.parse_args()
     if args.without_pdl:
@@ -252,7 +215,7 @@ def main() -> int:
     torch.manual_seed(0)
     layers = [Layer(config, BLOCK_SIZE, args.batch, args.context, dtype, device) for _ in range(args.layers)]
     steps = step_inputs(config, BLOCK_SIZE, args.batch, args.context, args.max_model_len, dtype, device,
-                        args.num_splits, args.decode_block_n, args.min_split_tiles)
+                        args.num_splits, args.decode_block_n)
     hidden = torch.randn(args.batch, config.hidden_size, device=device).to(dtype)
     # One layer's products and its sequences' K/V, read once (memory_floor's counts).
     kv_bytes = args.batch * (args.context + 1) * kv_bytes_per_token(config, fp8=False) / config.num_layers
@@ -271,30 +234,21 @@ def main() -> int:
         sweep_products(layers, steps, hidden, args.replays)
     if args.sweep_attention:
         sweep_attention(args, config, layers, hidden, dtype, device)
-    if args.l2_prefetch:
-        for name, plan in prefetch_plans(layers).items():
-            seconds = time_graph(lambda plan=plan: chain(layers, steps, hidden, frozenset(), None, plan), args.replays)
-            print(f"all six, prefetch {name}: {seconds / args.layers * 1e6:6.2f} us a layer", flush=True)
     return 0
 
 
 def sweep_attention(args: argparse.Namespace, config: ModelConfig, layers: list[Layer], hidden: torch.Tensor,
                     dtype: torch.dtype, device: torch.device) -> None:
-    """The attention alone and the whole chain: at each split count and tile width, then at the graph's
-    split count with a few smallest splits."""
-    graph_splits = step_inputs(config, BLOCK_SIZE, args.batch, args.context, args.max_model_len, dtype,
-                               device).num_splits
-    settings = [(num_splits, block_n, 1) for num_splits in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
-                for block_n in (32, 64, 128)]
-    settings += [(graph_splits, block_n, tiles) for block_n in (32, 64, 128) for tiles in (2, 3, 4, 6, 8)]
-    for num_splits, block_n, tiles in settings:
-        swept = step_inputs(config, BLOCK_SIZE, args.batch, args.context, args.max_model_len, dtype, device,
-                            num_splits, block_n, tiles)
-        alone, whole = (time_graph(lambda skipped=skipped: chain(layers, swept, hidden, skipped),  # noqa: B023
-                                   args.replays) / args.layers * 1e6
-                        for skipped in (frozenset(KINDS) - {"attention"}, frozenset()))
-        print(f"attention {num_splits:2d} splits of >= {tiles} tiles of {block_n:3d}: alone {alone:6.2f} us a layer, "
-              f"all six {whole:6.2f}", flush=True)
+    """The attention alone and the whole chain at each split count and tile width."""
+    for num_splits in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64):
+        for block_n in (32, 64, 128):
+            swept = step_inputs(config, BLOCK_SIZE, args.batch, args.context, args.max_model_len, dtype, device,
+                                num_splits, block_n)
+            alone, whole = (time_graph(lambda skipped=skipped: chain(layers, swept, hidden, skipped),  # noqa: B023
+                                       args.replays) / args.layers * 1e6
+                            for skipped in (frozenset(KINDS) - {"attention"}, frozenset()))
+            print(f"attention {num_splits:2d} splits, tiles of {block_n:3d}: alone {alone:6.2f} us a layer, "
+                  f"all six {whole:6.2f}", flush=True)
 
 
 def product_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:

@@ -5,7 +5,6 @@ the kernels that take the time. The gRPC figures come from bench/serving.py's si
 
     python bench/single_stream.py [--prompt-lens 512,2048] [--output-len 256] [--num-decode-steps 4]
                                   [--without-pdl]   # the Triton kernels without programmatic dependent launch
-                                  [--without-l2-prefetch]   # no weight prefetch kernels (layers/triton_prefetch)
 """
 from __future__ import annotations
 
@@ -32,15 +31,9 @@ def main() -> int:
     parser.add_argument("--work-dir", default="/tmp/nanovllm-bench")
     parser.add_argument("--cprofile", action="store_true", help="also the Python functions of one 512-token prefill")
     parser.add_argument("--model", help="a checkpoint folder (default: the random Qwen3-0.6B, made once)")
-    parser.add_argument("--without-l2-prefetch", action="store_true",
-                        help="no weight prefetch kernels (layers/triton_prefetch), for an A/B")
     parser.add_argument("--without-pdl", action="store_true",
                         help="launch the decode step's Triton kernels without PDL (layers/triton_pdl), for an A/B")
     args = parser.parse_args()
-    if args.without_l2_prefetch:
-        from worker_service.layers import triton_prefetch
-
-        triton_prefetch.ENABLED = False
     if args.without_pdl:
         from worker_service.layers import triton_pdl
 
@@ -62,8 +55,7 @@ def main() -> int:
             itl = (statistics.median(totals) - ttft) / args.output_len
             print(f"prompt {prompt_len}: in-process TTFT {ttft * 1e3:.2f} ms (median of {args.repeats}), "
                   f"ITL {itl * 1e3:.3f} ms over {args.output_len} tokens, num_decode_steps {args.num_decode_steps}, "
-                  f"PDL {'off' if args.without_pdl else 'on'}, "
-                  f"L2 prefetch {'off' if args.without_l2_prefetch else 'on'}")
+                  f"PDL {'off' if args.without_pdl else 'on'}")
         profiled(llm, "prefill of 512 tokens, one output token", prompt(512), 1, args.rows)
         if args.cprofile:
             python_profile(llm, prompt(512), args.rows)

@@ -27,6 +27,7 @@ skip_module_unless_kernels_run()
 from worker_service.attention import default_backend_name, get_attention_backend  # noqa: E402
 from worker_service.attention.base import AttentionMetadata  # noqa: E402
 from worker_service.attention.triton_decode import (  # noqa: E402
+    PROGRAMS_PER_SM,
     choose_num_splits,
     decode_counters_numel,
     decode_workspace_numel,
@@ -195,12 +196,11 @@ def test_decode_matches_reference(block_size: int, head_dim: int, group: int, sp
     check_decode(batch, num_splits, f"decode bs={block_size} d={head_dim} group={group} splits={num_splits}")
 
 
-def check_decode(batch: PagedBatch, num_splits: int, what: str, min_split_tiles: int = 1) -> None:
+def check_decode(batch: PagedBatch, num_splits: int, what: str) -> None:
     scale = batch.q.shape[-1] ** -0.5
     out = torch.full_like(batch.q, float("nan"))
     seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32, device=DEVICE)
-    paged_decode(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, seq_lens, scale, num_splits, out=out,
-                 min_split_tiles=min_split_tiles)
+    paged_decode(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, seq_lens, scale, num_splits, out=out)
     assert_matches(out, reference(batch, scale), batch, what)
 
 
@@ -224,16 +224,21 @@ def test_num_splits_fill_the_device_only_when_needed() -> None:
     assert choose_num_splits(1, 8, 100, DEVICE) == 1  # too short to be worth splitting
     few_long = choose_num_splits(1, 8, 8192, DEVICE)
     assert few_long * 8 >= sms and few_long <= 64
+    # Split programs fill the device once and never start a second wave (triton_decode.PROGRAMS_PER_SM).
+    for num_seqs in (1, 2, 3, 4, 8, 16, 32):
+        programs = num_seqs * 8 * choose_num_splits(num_seqs, 8, 40960, DEVICE)
+        assert programs <= max(PROGRAMS_PER_SM * sms, num_seqs * 8), num_seqs
+        assert programs > PROGRAMS_PER_SM * sms // 2 or programs == num_seqs * 8, num_seqs
 
 
-@pytest.mark.parametrize(("num_splits", "min_split_tiles"), [(1, 1), (2, 1), (5, 1), (64, 1), (5, 2), (64, 3)])
-def test_decode_split_edges(num_splits: int, min_split_tiles: int) -> None:
-    """More splits than tiles (empty splits, which return at once), splits of at least min_split_tiles
-    tiles, lengths at tile edges, and seq_len 0 (CUDA graph padding rows: output 0, no NaN)."""
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 64])
+def test_decode_split_edges(num_splits: int) -> None:
+    """More splits than tiles (empty splits), lengths at tile edges, and seq_len 0 (CUDA graph padding
+    rows: output 0, no NaN)."""
     seq_lens = [0, 1, 2, 64, 65, 127, 129, small(3000, 190), 0]
     batch = make_batch(seq_lens, [1] * len(seq_lens), block_size=16, num_heads=8, num_kv_heads=2,
                        head_dim=HEAD_DIMS[-1], dtype=LOW, seed=num_splits)
-    check_decode(batch, num_splits, f"decode splits={num_splits} of >= {min_split_tiles} tiles", min_split_tiles)
+    check_decode(batch, num_splits, f"decode splits={num_splits}")
 
 
 @pytest.mark.parametrize("group", [1, 4])

@@ -20,8 +20,8 @@ launch a layer instead of a second, merging kernel; bench/results/2026-12-02-h20
 Every sequence's context is cut into num_splits equal pieces inside the kernel (from its own
 seq_len), so the grid, the workspace and the launch depend only on num_seqs and num_splits: a CUDA
 graph captured once replays correctly for any context lengths. Splits beyond a short sequence's
-context return at once (after the wait): the counter counts only the splits that hold tokens, and
-sequences with seq_len 0 (graph padding) get zeros from their split 0.
+context (and sequences with seq_len 0, e.g. graph padding) write neutral partials (lse = -inf,
+output 0) and are left out of the merge.
 """
 from __future__ import annotations
 
@@ -52,18 +52,21 @@ DECODE_NUM_WARPS = 4
 # tokens and 4 at 256 x 1024 and 64 x 4096; 12 % with the per-column row sums).
 FP8_DECODE_NUM_WARPS = 2
 DECODE_NUM_STAGES = 3  # next tile's K/V in flight while this one computes (>= 3 needed: see triton_paging)
-TARGET_WAVES = 4  # aim for this many programs per multiprocessor when splitting
+# Decode programs resident on one multiprocessor at a time: a bf16 program's three stages of 64-token
+# K and V tiles take 96 KB of an H200 multiprocessor's 228 KB of shared memory. Splits past that fill
+# a second wave, which waits for the first: at one sequence of 32k, 64 splits (two waves) took 62.7 us a
+# layer of a 0.6B decode step against 55.7 at 32 (bench/results/2026-12-03-h200-decode-chain.md).
+PROGRAMS_PER_SM = 2
 MIN_TOKENS_PER_SPLIT = 128  # below this a split's fixed cost (q load, partial write, merge) dominates
 MAX_NUM_SPLITS = 64
-MIN_SPLIT_TILES = 1  # a split's fewest tiles when a sequence is shorter than its graph's splits allow
 
 
 # Per-batch values, not compile-time ones (Triton would otherwise compile a variant for 1 and for
 # multiples of 16 of each while serving).
-@triton.jit(do_not_specialize=["num_splits", "min_split_tiles", "stride_bt_seq"])
+@triton.jit(do_not_specialize=["num_splits", "stride_bt_seq"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
-    counters_ptr, k_scale_ptr, v_scale_ptr, scale_log2, num_splits, min_split_tiles, num_kv_heads,
+    counters_ptr, k_scale_ptr, v_scale_ptr, scale_log2, num_splits, num_kv_heads,
     stride_q_tok, stride_q_head,
     stride_k_block, stride_k_tok, stride_k_head,
     stride_v_block, stride_v_tok, stride_v_head,
@@ -83,15 +86,10 @@ def _decode_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Equal pieces of whole tiles (tiles never straddle two splits), at least min_split_tiles each.
-    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits), min_split_tiles) * BLOCK_N
+    # Equal pieces rounded up to whole tiles, so that tiles never straddle two splits.
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
-    # The splits that hold tokens (split 0 also when there are none, to write the zeros); the others
-    # have nothing to do: a CUDA graph's grid has splits for the longest context.
-    num_filled = tl.maximum(tl.cdiv(seq_len, split_len), 1)
-    if IS_SPLIT and split >= num_filled:
-        return
 
     rows = tl.arange(0, BLOCK_H)  # query heads of this KV head's group, padded to a dot-friendly size
     dims = tl.arange(0, HEAD_DIM)
@@ -165,9 +163,11 @@ def _decode_kernel(
         # GPU scope, so the last program's loads (L2, .cg: not a stale L1 line) see every split's.
         tl.debug_barrier()
         counter = counters_ptr + seq * num_kv_heads + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_filled - 1:
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
             tl.store(counter, 0)  # ready for the next launch (the next layer, the next graph replay)
             o = out_ptr + seq.to(tl.int64) * stride_o_tok
+            # Only the splits that hold tokens: a CUDA graph's grid has splits for the longest context.
+            num_filled = tl.cdiv(seq_len, tl.maximum(split_len, 1))
             for row in tl.static_range(GROUP):
                 head = kv_head * GROUP + row
                 merged = _merge_head(po + head * stride_po_head, pl + head * stride_pl_head, num_filled,
@@ -201,15 +201,15 @@ def decode_num_warps(fp8: bool) -> int:
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device | None = None) -> int:
-    """KV splits per sequence: enough programs (num_seqs * num_kv_heads * splits) to give every
-    multiprocessor about TARGET_WAVES of them, but no split shorter than MIN_TOKENS_PER_SPLIT.
+    """KV splits per sequence: as many programs (num_seqs * num_kv_heads * splits) as the device holds at
+    once (PROGRAMS_PER_SM on each multiprocessor), no more, and no split shorter than MIN_TOKENS_PER_SPLIT.
 
     For CUDA graphs call it once per captured batch size with max_seq_len = the model's maximum
     context, and pass the result as AttentionMetadata.decode_num_splits (correct for any actual
     lengths: the kernel cuts each sequence's own context into that many pieces).
     """
     sms = num_sms(device, H200_NUM_SMS) if device is not None else H200_NUM_SMS
-    wanted = triton.cdiv(TARGET_WAVES * sms, max(1, num_seqs * num_kv_heads))
+    wanted = PROGRAMS_PER_SM * sms // max(1, num_seqs * num_kv_heads)
     useful = triton.cdiv(max(1, max_seq_len), MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, useful, MAX_NUM_SPLITS))
 
@@ -252,7 +252,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  seq_lens: torch.Tensor, scale: float, num_splits: int, workspace: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, *, counters: torch.Tensor | None = None,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                 block_n: int = DECODE_BLOCK_N, min_split_tiles: int = MIN_SPLIT_TILES, num_warps: int | None = None,
+                 block_n: int = DECODE_BLOCK_N, num_warps: int | None = None,
                  num_stages: int = DECODE_NUM_STAGES) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
@@ -262,7 +262,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     at least decode_counters_numel(...), both needed when num_splits > 1 (allocated here when None;
     preallocate them for CUDA graph capture). out: [num_seqs, num_heads, head_dim], allocated when None.
     k_scale, v_scale: an fp8 cache's per-head-vector scales, float32 [num_blocks, block_size,
-    num_kv_heads] (kv_quant; None otherwise). block_n, min_split_tiles, num_warps
+    num_kv_heads] (kv_quant; None otherwise). block_n, num_warps
     (decode_num_warps when None), num_stages: tuning knobs (see the bench).
     Launches only, no host sync.
     """
@@ -291,7 +291,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         partial_out = partial_lse = counters = out  # unused by the kernel's IS_SPLIT=False branch
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse,
-        counters, k_scale, v_scale, scale * LOG2E, num_splits, min_split_tiles, num_kv_heads,
+        counters, k_scale, v_scale, scale * LOG2E, num_splits, num_kv_heads,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

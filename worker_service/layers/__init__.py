@@ -9,7 +9,6 @@ from worker_service.layers.linear import (
     QKVLinear,
     RowLinear,
     normed_linear,
-    prefetch_weights,
     silu_and_mul_linear,
 )
 from worker_service.layers.moe import SparseMoeBlock
@@ -27,6 +26,5 @@ __all__ = [
     "SparseMoeBlock",
     "VocabEmbedding",
     "normed_linear",
-    "prefetch_weights",
     "silu_and_mul_linear",
 ]

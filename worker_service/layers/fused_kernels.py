@@ -43,13 +43,7 @@ def enable() -> None:
     # each model's constants): raise dynamo's default limit of 8 so that none falls back to eager.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compile_ = lambda fn: torch.compile(fn, dynamic=True, fullgraph=True)  # noqa: E731
-    from worker_service.layers import (  # GPUs only
-        triton_activation,
-        triton_moe,
-        triton_norm,
-        triton_prefetch,
-        triton_skinny_matmul,
-    )
+    from worker_service.layers import triton_activation, triton_moe, triton_norm, triton_skinny_matmul  # GPUs only
 
     rotary.KERNELS["rotary"] = _on_gpus(compile_(rotary.apply_rotary), rotary.apply_rotary)
     norm.KERNELS["rms_norm"] = _on_gpus(_by_dtype(triton_norm.rms_norm, compile_(norm.rms_norm)), norm.rms_norm)
@@ -61,7 +55,6 @@ def enable() -> None:
     linear.KERNELS["linear"] = triton_skinny_matmul.linear
     linear.KERNELS["normed_linear"] = triton_skinny_matmul.normed_linear
     linear.KERNELS["silu_and_mul_linear"] = triton_skinny_matmul.silu_and_mul_linear
-    linear.KERNELS["prefetch_weights"] = triton_prefetch.prefetch_weights
     _enabled = True
     logger.info("fused elementwise kernels enabled (Triton, torch.compile)")
 

@@ -84,22 +84,11 @@ def reference_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return out + bias if bias is not None else out
 
 
-def prefetch_weights(weights: Sequence[torch.Tensor], rows: int) -> None:
-    """Asks the device's cache for weights that products of `rows` rows will read next, where that pays
-    (KERNELS["prefetch_weights"]: on GPUs layers/triton_prefetch, at decode sizes); values are unchanged."""
-    KERNELS["prefetch_weights"](weights, rows)
-
-
-def no_prefetch(weights: Sequence[torch.Tensor], rows: int) -> None:
-    """KERNELS["prefetch_weights"] where nothing is prefetched (CPUs, the reference)."""
-
-
 # The implementations the layers call; fused_kernels.enable() swaps in triton_skinny_matmul's on GPUs,
 # worker_service.invariant.enable() batch-invariant ones (--deterministic).
 KERNELS: dict[str, Callable[..., Any]] = {"linear": reference_linear, "normed_linear": compose_normed_linear,
                                           "silu_and_mul_linear": compose_silu_and_mul_linear,
-                                          "row_linear": reference_row_linear, "lm_head": reference_linear,
-                                          "prefetch_weights": no_prefetch}
+                                          "row_linear": reference_row_linear, "lm_head": reference_linear}
 
 
 def attach_loader(param: nn.Parameter, loader: WeightLoader, shard_ids: Sequence[ShardId] = (None,)) -> None:

@@ -7,8 +7,6 @@ Parameter names follow HF checkpoints, except that q/k/v and gate/up are fused
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import nn
 
@@ -23,7 +21,6 @@ from worker_service.layers import (
     SparseMoeBlock,
     VocabEmbedding,
     normed_linear,
-    prefetch_weights,
     silu_and_mul_linear,
 )
 from worker_service.models.config import ModelConfig
@@ -58,10 +55,8 @@ class Attention(nn.Module):
         self.v_scale: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
-                metadata: AttentionMetadata,
-                prefetch: Sequence[torch.Tensor] = ()) -> tuple[torch.Tensor, torch.Tensor]:
-        """norm(hidden + residual) through attention; returns it and the sum (the residual stream).
-        prefetch: weights read next, asked of the cache while the attention runs (linear.prefetch_weights)."""
+                metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm(hidden + residual) through attention; returns it and the sum (the residual stream)."""
         qkv, residual = normed_linear(hidden, residual, norm, self.qkv_proj)
         q, k, v = qkv.split(self.qkv_proj.split_sizes, dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
@@ -69,7 +64,6 @@ class Attention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         q = self.backend.rope_and_store(q, k, v, positions, self.rotary_emb, self.q_norm, self.k_norm,
                                         self.k_cache, self.v_cache, metadata, self.k_scale, self.v_scale)
-        prefetch_weights([self.o_proj.weight, *prefetch], q.shape[0])
         out = self.backend.attend(q, self.k_cache, self.v_cache, metadata, self.scale, self.k_scale, self.v_scale)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim)), residual
 
@@ -83,14 +77,8 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedColumnLinear(config.hidden_size, [size, size])
         self.down_proj = RowLinear(size, config.hidden_size)
 
-    def weights(self) -> list[torch.Tensor]:
-        return [self.gate_up_proj.weight, self.down_proj.weight]
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
-                prefetch: Sequence[torch.Tensor] = ()) -> tuple[torch.Tensor, torch.Tensor]:
-        """norm(x + residual) through the MLP; returns it and the sum (the residual stream). prefetch:
-        weights read after it (the next layer's), asked of the cache while it runs."""
-        prefetch_weights(prefetch, x.shape[0])
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm(x + residual) through the MLP; returns it and the sum (the residual stream)."""
         gate_up, residual = normed_linear(x, residual, norm, self.gate_up_proj)
         return silu_and_mul_linear(gate_up, self.down_proj), residual
 
@@ -111,17 +99,9 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoeBlock(config) if config.is_moe_layer(layer_index) else MLP(config)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                metadata: AttentionMetadata,
-                next_layer: DecoderLayer | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """next_layer: the one after this, whose qkv weights are prefetched during this one's MLP (a MoE
-        block's experts are too many bytes to stage: only dense MLPs take part)."""
-        dense = isinstance(self.mlp, MLP)
-        hidden, residual = self.self_attn(positions, hidden, residual, self.input_layernorm, metadata,
-                                          self.mlp.weights() if dense else ())
-        if not dense:
-            return self.mlp(hidden, residual, self.post_attention_layernorm)
-        following = [next_layer.self_attn.qkv_proj.weight] if next_layer is not None else []
-        return self.mlp(hidden, residual, self.post_attention_layernorm, following)
+                metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.self_attn(positions, hidden, residual, self.input_layernorm, metadata)
+        return self.mlp(hidden, residual, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):
@@ -139,9 +119,8 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for index, layer in enumerate(self.layers):
-            following = self.layers[index + 1] if index + 1 < len(self.layers) else None
-            hidden, residual = layer(positions, hidden, residual, metadata, following)
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
