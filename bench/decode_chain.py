@@ -10,6 +10,7 @@ out (what that kernel costs the chain), and with only one kind kept (what it cos
 floor beside it: the weights and the K/V read once at --bandwidth.
 
     python bench/decode_chain.py [--batch 1] [--context 768] [--layers 28] [--without-pdl] [--sweep-products]
+                                [--sweep-attention] [--num-splits N] [--decode-block-n N]
 
 --sweep-products times each product alone in the chain with other tilings (SkinnyConfig) beside the one
 triton_skinny_matmul._config picks: the tiling under PDL, where a product's weights load before it waits.
