@@ -63,10 +63,9 @@ class Layer:
 
         c = config
         self.config = c
-        self.w_qkv = weight((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size)
-        self.w_o = weight(c.hidden_size, c.num_heads * c.head_dim)
-        self.w_gate_up = weight(2 * c.intermediate_size, c.hidden_size)
-        self.w_down = weight(c.hidden_size, c.intermediate_size)
+        shapes = product_shapes(c)
+        self.w_qkv, self.w_o, self.w_gate_up, self.w_down = (weight(*shapes[kind])
+                                                             for kind in ("qkv", "o", "gate_up", "down"))
         self.norms = [torch.ones(c.hidden_size, dtype=dtype, device=device) for _ in range(2)]
         self.head_norms = [torch.ones(c.head_dim, dtype=dtype, device=device) for _ in range(2)]
         cache_shape = (batch * blocks_per_sequence(context, block_size), block_size, c.num_kv_heads, c.head_dim)

@@ -52,10 +52,11 @@ DECODE_NUM_WARPS = 4
 # tokens and 4 at 256 x 1024 and 64 x 4096; 12 % with the per-column row sums).
 FP8_DECODE_NUM_WARPS = 2
 DECODE_NUM_STAGES = 3  # next tile's K/V in flight while this one computes (>= 3 needed: see triton_paging)
-# Decode programs resident on one multiprocessor at a time: a bf16 program's three stages of 64-token
-# K and V tiles take 96 KB of an H200 multiprocessor's 228 KB of shared memory. Splits past that fill
-# a second wave, which waits for the first: at one sequence of 32k, 64 splits (two waves) took 62.7 us a
-# layer of a 0.6B decode step against 55.7 at 32 (bench/results/2026-12-03-h200-decode-chain.md).
+# Decode programs a split grid gives each multiprocessor: all of them resident at once, none in a second
+# wave that waits for the first. A bf16 program's three stages of 64-token K/V tiles take 70 KB of shared
+# memory (Triton 3.6 for sm_90), so three fit in an H200 multiprocessor's 228 KB if registers allow;
+# measured at one sequence of 32k (bench/results/2026-12-03-h200-decode-chain.md): 64 splits (512
+# programs) 62.1 us a layer of a 0.6B decode step, 33 splits (264) 57.6, 24-32 splits the sweep's best.
 PROGRAMS_PER_SM = 2
 MIN_TOKENS_PER_SPLIT = 128  # below this a split's fixed cost (q load, partial write, merge) dominates
 MAX_NUM_SPLITS = 64
@@ -239,7 +240,7 @@ def new_decode_scratch(num_seqs: int, num_heads: int, num_kv_heads: int, head_di
 
 
 def _checked_or_new(buffer: torch.Tensor | None, what: str, needed: int, dtype: torch.dtype,
-             device: torch.device) -> torch.Tensor:
+                    device: torch.device) -> torch.Tensor:
     """buffer, checked to hold `needed` elements of dtype, or a zero-filled new one when None."""
     if buffer is None:
         return torch.zeros(needed, dtype=dtype, device=device)
@@ -282,7 +283,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         needed = decode_workspace_numel(num_seqs, num_heads, head_dim, num_splits)
         workspace = _checked_or_new(workspace, "workspace", needed, torch.float32, q.device)
         counters = _checked_or_new(counters, "counters", decode_counters_numel(num_seqs, num_kv_heads, num_splits),
-                            torch.int32, q.device)
+                                   torch.int32, q.device)
         split_area = num_seqs * num_heads * num_splits
         partial_out = workspace[:split_area * head_dim].view(num_seqs, num_heads, num_splits, head_dim)
         partial_lse = workspace[split_area * head_dim:split_area * (head_dim + 1)].view(num_seqs, num_heads,
