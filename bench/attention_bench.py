@@ -5,7 +5,7 @@ heads, head_dim 128, bf16), against torch SDPA on contiguous tensors holding the
     python bench/attention_bench.py --sweep    # also sweeps kernel tile sizes, warps, stages, splits
     python bench/attention_bench.py --decode-sweep 256:1024   # only the decode sweep, at these shapes
     python bench/attention_bench.py --kv-cache-dtype fp8 --decode-only   # decode over an FP8 cache
-    python bench/attention_bench.py --random-lengths   # 256 sequences of 100-2047 tokens, bf16 and fp8 caches
+    python bench/attention_bench.py --random-lengths 256 64   # sequences of 100-2047 tokens, bf16 and fp8
     python bench/attention_bench.py --decode-shapes 1:32768   # only the decode rows at these shapes
 
 Decode: batch sizes 1, 8, 64, 256 x contexts 512, 1024, 4096 (every sequence at that context),
@@ -36,8 +36,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from worker_service.attention.base import longest_first  # noqa: E402
 from worker_service.attention.flash_attn_backend import as_pages, load_varlen_attention, page_tables  # noqa: E402
-from worker_service.attention.kv_quant import dequantize, head_scales, quantize  # noqa: E402
+from worker_service.attention.kv_quant import allocate_scales, dequantize, head_scales, quantize  # noqa: E402
 from worker_service.attention.triton_decode import (  # noqa: E402
     DECODE_BLOCK_N,
     DECODE_NUM_STAGES,
@@ -201,11 +202,13 @@ def decode_rows(block_size: int, batch: int, context: int, device: torch.device,
 
 
 def random_length_rows(device: torch.device, num_seqs: int = 256, lengths: tuple[int, int] = (100, 2047),
-                       block_size: int = 256, seed: int = 0) -> list[Row]:
+                       block_size: int = 256, seed: int = 0, sweep: bool = False) -> list[Row]:
     """Decode at the reference workload's spread of contexts (num_seqs sequences of uniformly random
-    lengths): the bf16 cache (also through flash-attn where installed) and an fp8 cache. Bytes: each
-    sequence's own K and V (fp8: values and scales); the error is against SDPA with each sequence's
-    padding masked."""
+    lengths): the bf16 cache (also through flash-attn where installed) and an fp8 cache (its scales laid
+    out as the worker allocates them), each kernel with its programs in batch order and longest first
+    (the order the worker passes); the fp8 cache on the CUDA cores (the default) and on the tensor cores.
+    sweep: also the CUDA-core kernel's tile lengths and warps. Bytes: each sequence's own K and V (fp8:
+    values and scales); the error is against SDPA with each sequence's padding masked."""
     generator = torch.Generator().manual_seed(seed)
     seq_lens_list = torch.randint(lengths[0], lengths[1] + 1, (num_seqs,), generator=generator)
     context = int(seq_lens_list.max())
@@ -214,32 +217,46 @@ def random_length_rows(device: torch.device, num_seqs: int = 256, lengths: tuple
     q = torch.randn(num_seqs, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
     k_cache, v_cache, tables = paged_copy(k, v, block_size)
     seq_lens = seq_lens_list.to(torch.int32).to(device)
+    order = torch.from_numpy(longest_first(seq_lens_list.numpy())).to(device)
     mask = (torch.arange(context, device=device)[None, :] < seq_lens[:, None].long())[:, None, None, :]
     splits = choose_num_splits(num_seqs, NUM_KV_HEADS, context, device)
     workspace, counters = new_decode_scratch(num_seqs, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, splits, device)
     out = torch.empty_like(q)
     tokens = int(seq_lens_list.sum())
     fp8_k, fp8_v, scales, k_seen, v_seen = fp8_caches(k_cache, v_cache, tables, context)
+    scales = {name: allocate_scales(torch.empty, (fp8_k.shape[0],), block_size, NUM_KV_HEADS, device).copy_(value)
+              for name, value in scales.items()}
     starts = torch.arange(num_seqs + 1, dtype=torch.int32, device=device)  # one query token per sequence
-    cases = [("bf16", k_cache, v_cache, {}, k, v, 2 * HEAD_DIM * 2)]
-    cases.append(("fp8", fp8_k, fp8_v, scales, k_seen, v_seen, 2 * (HEAD_DIM + 4)))
+    fp8_configs = [("fp8-cores", {"fp8_cuda_cores": True}), ("fp8-tensor", {"fp8_cuda_cores": False})]
+    if sweep:
+        fp8_configs += [(f"fp8-cores-n{n}-w{w}", {"fp8_cuda_cores": True, "block_n": n, "num_warps": w})
+                        for n in (16, 32) for w in (2, 4, 8)]
+    cases = [("bf16", k_cache, v_cache, {}, k, v, 2 * HEAD_DIM * 2, {})]
+    cases += [(name, fp8_k, fp8_v, scales, k_seen, v_seen, 2 * (HEAD_DIM + 4), config) for name, config in fp8_configs]
     rows = []
-    for name, keys, values, scale_args, k_ref, v_ref, bytes_per_head in cases:
-        def run(keys=keys, values=values, scale_args=scale_args) -> torch.Tensor:
-            return paged_decode(q, keys, values, tables, seq_lens, SCALE, splits, workspace, out, counters=counters,
-                                **scale_args)
-
+    for name, keys, values, scale_args, k_ref, v_ref, bytes_per_head, config in cases:
         reference = F.scaled_dot_product_attention(q[:, :, None], k_ref.transpose(1, 2), v_ref.transpose(1, 2),
                                                    attn_mask=mask, scale=SCALE, enable_gqa=True)[:, :, 0]
-        runs = [(f"rand-{name}", run, splits)]
+        runs = []
+        for label, program_order in (("", None), ("-lf", order)):
+            def run(keys=keys, values=values, scale_args=scale_args, config=config, program_order=program_order):
+                return paged_decode(q, keys, values, tables, seq_lens, SCALE, splits, workspace, out,
+                                    counters=counters, order=program_order, **scale_args, **config)
+
+            runs.append((f"rand-{name}{label}", run, splits))
         flash = flash_or_none(q, keys, values, tables, seq_lens, starts, 1) if name == "bf16" else None
         if flash is not None:
             runs.append(("rand-flash-bf16", flash, 1))
         for what, fn, split_label in runs:
-            error = relative_error(fn(), reference)
-            ms = bench_ms(fn)
+            try:
+                error = relative_error(fn(), reference)
+                ms = bench_ms(fn)
+            except Exception as failure:  # a configuration the compiler rejects: report it, go on
+                print(f"{what}: FAILED {failure!r:.200}", flush=True)
+                continue
             rows.append(Row(what, block_size, num_seqs, context, split_label, ms * 1e3,
                             tokens * NUM_KV_HEADS * bytes_per_head / ms / 1e6, "GB/s", error))
+            print(rows[-1].line(), flush=True)
     return rows
 
 
@@ -353,8 +370,9 @@ def main() -> None:
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill rows")
     parser.add_argument("--decode-shapes", metavar="BATCH:CONTEXT", nargs="+",
                         help="only the decode rows at these shapes (block size 256), e.g. 1:32768")
-    parser.add_argument("--random-lengths", action="store_true",
-                        help="only 256 sequences of random lengths 100-2047, bf16 and fp8 caches")
+    parser.add_argument("--random-lengths", metavar="NUM_SEQS", type=int, nargs="*",
+                        help="only batches of random lengths 100-2047 (default 256 sequences), bf16 and fp8 caches; "
+                             "with --sweep also the fp8 kernel's tiles and warps")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
@@ -373,9 +391,9 @@ def main() -> None:
             for row in decode_rows(256, batch, context, device, args.kv_cache_dtype == "fp8"):
                 print(row.line(), flush=True)
         return
-    if args.random_lengths:
-        for row in random_length_rows(device):
-            print(row.line(), flush=True)
+    if args.random_lengths is not None:
+        for num_seqs in args.random_lengths or [256]:
+            random_length_rows(device, num_seqs, sweep=args.sweep)
         return
     rows: list[Row] = []
     for block_size in (256, 16):

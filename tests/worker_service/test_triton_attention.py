@@ -17,6 +17,7 @@ import math
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,7 +26,7 @@ from tests.worker_service.triton_runtime import DEVICE, FLASH_ATTN_INSTALLED, IN
 skip_module_unless_kernels_run()
 
 from worker_service.attention import default_backend_name, get_attention_backend  # noqa: E402
-from worker_service.attention.base import AttentionMetadata  # noqa: E402
+from worker_service.attention.base import AttentionMetadata, longest_first  # noqa: E402
 from worker_service.attention.triton_decode import (  # noqa: E402
     PROGRAMS_PER_SM,
     choose_num_splits,
@@ -239,6 +240,40 @@ def test_decode_split_edges(num_splits: int) -> None:
     batch = make_batch(seq_lens, [1] * len(seq_lens), block_size=16, num_heads=8, num_kv_heads=2,
                        head_dim=HEAD_DIMS[-1], dtype=LOW, seed=num_splits)
     check_decode(batch, num_splits, f"decode splits={num_splits}")
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_program_order_changes_no_bit(num_splits: int) -> None:
+    """Programs started longest first (the worker's order) or in any other order give the batch-order
+    result bit for bit: each sequence's programs compute the same thing wherever they run."""
+    seq_lens = [5, small(3000, 190), 0, 64, 17, small(1500, 100), 1]
+    batch = make_batch(seq_lens, [1] * len(seq_lens), block_size=16, num_heads=4, num_kv_heads=2,
+                       head_dim=HEAD_DIMS[-1], dtype=LOW, seed=num_splits)
+    lengths = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    outputs = []
+    for order in (None, longest_first(np.array(seq_lens)), np.random.default_rng(num_splits).permutation(7)):
+        out = torch.full_like(batch.q, float("nan"))
+        paged_decode(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, lengths, 0.125, num_splits, out=out,
+                     order=None if order is None else torch.tensor(order, dtype=torch.int32, device=DEVICE))
+        outputs.append(out)
+    assert_matches(outputs[0], reference(batch, 0.125), batch, f"decode splits={num_splits}")
+    for out in outputs[1:]:
+        assert torch.equal(out, outputs[0])
+
+
+def test_decode_order_must_be_a_batch_long_int32_tensor() -> None:
+    batch = make_batch([3, 4], [1, 1], block_size=16, num_heads=2, num_kv_heads=2, head_dim=64, dtype=LOW, seed=0)
+    lengths = torch.tensor([3, 4], dtype=torch.int32, device=DEVICE)
+    for order in (torch.tensor([0], dtype=torch.int32), torch.tensor([1, 0], dtype=torch.int64)):
+        with pytest.raises(ValueError, match="order must be int32"):
+            paged_decode(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, lengths, 0.1, 1,
+                         order=order.to(DEVICE))
+
+
+def test_longest_first_is_a_stable_permutation_by_length() -> None:
+    order = longest_first(np.array([3, 9, 0, 9, 5], dtype=np.int32))
+    assert order.dtype == np.int32
+    assert order.tolist() == [1, 3, 4, 0, 2]
 
 
 @pytest.mark.parametrize("group", [1, 4])

@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -41,6 +42,9 @@ class AttentionMetadata:
     decode_num_splits: int | None = None  # KV splits per sequence in the decode kernel
     decode_workspace: torch.Tensor | None = None  # float32 scratch for the splits' partial results
     decode_counters: torch.Tensor | None = None  # int32: each (sequence, KV head)'s splits done
+    # [num_seqs] int32, a permutation: the order in which the decode kernel starts the sequences' programs
+    # (longest_first; None: batch order). Any order gives the same results.
+    decode_order: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -49,6 +53,13 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+
+def longest_first(seq_lens: np.ndarray) -> np.ndarray:
+    """The decode kernel's program order for a batch with context lengths seq_lens: longest first, so
+    that the short sequences' programs fill the device's tail instead of a long one running alone
+    (int32, stable: equal lengths keep batch order)."""
+    return np.argsort(-seq_lens.astype(np.int64), kind="stable").astype(np.int32)
 
 
 class AttentionBackend(ABC):

@@ -72,7 +72,8 @@ class TritonAttentionBackend(AttentionBackend):
         if workspace is None or counters is None:
             workspace, counters = self._scratch(num_seqs, num_heads, k_cache.shape[2], head_dim, num_splits, q.device)
         return paged_decode(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale, num_splits,
-                            workspace, counters=counters, k_scale=k_scale, v_scale=v_scale)
+                            workspace, counters=counters, k_scale=k_scale, v_scale=v_scale,
+                            order=metadata.decode_order)
 
     def prepare_decode_graph(self, metadata: AttentionMetadata, num_heads: int, num_kv_heads: int, head_dim: int,
                              max_seq_len: int) -> AttentionMetadata:

@@ -39,6 +39,7 @@ from worker_service.attention.triton_common import (
     scale_operands,
     widen_fp8_in_registers,
 )
+from worker_service.attention.triton_decode_fp8 import fp8_decode_split
 from worker_service.attention.triton_paging import load_page_ids, token_offsets
 from worker_service.layers.fused_kernels import num_sms
 from worker_service.layers.triton_pdl import pdl_options, wait_for_previous_kernel
@@ -51,6 +52,10 @@ DECODE_NUM_WARPS = 4
 # bench/results/2026-12-01-h200-fp8-decode-warps.txt: 64 tokens and 2 warps 9 % faster than 128
 # tokens and 4 at 256 x 1024 and 64 x 4096; 12 % with the per-column row sums).
 FP8_DECODE_NUM_WARPS = 2
+# The fp8 cache on the CUDA cores (triton_decode_fp8), in tiles of FP8_DECODE_BLOCK_N tokens (its softmax's slots).
+FP8_ON_CUDA_CORES = False
+FP8_DECODE_BLOCK_N = 16
+FP8_CUDA_CORES_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3  # next tile's K/V in flight while this one computes (>= 3 needed: see triton_paging)
 # Decode programs a split grid gives each multiprocessor: all of them resident at once, none in a second
 # wave that waits for the first. A bf16 program's three stages of 64-token K/V tiles take 70 KB of shared
@@ -66,8 +71,8 @@ MAX_NUM_SPLITS = 64
 # multiples of 16 of each while serving).
 @triton.jit(do_not_specialize=["num_splits", "stride_bt_seq"])
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
-    counters_ptr, k_scale_ptr, v_scale_ptr, scale_log2, num_splits, num_kv_heads,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, order_ptr, out_ptr, partial_out_ptr,
+    partial_lse_ptr, counters_ptr, k_scale_ptr, v_scale_ptr, scale_log2, num_splits, num_kv_heads,
     stride_q_tok, stride_q_head,
     stride_k_block, stride_k_tok, stride_k_head,
     stride_v_block, stride_v_tok, stride_v_head,
@@ -78,12 +83,16 @@ def _decode_kernel(
     stride_pl_seq, stride_pl_head,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, BLOCK_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    IS_FP8: tl.constexpr, WIDEN_V_IN_REGISTERS: tl.constexpr, PDL: tl.constexpr,
+    IS_FP8: tl.constexpr, WIDEN_V_IN_REGISTERS: tl.constexpr, HAS_ORDER: tl.constexpr,
+    CUDA_CORES: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:
         wait_for_previous_kernel()
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(0)  # a sequence's KV heads run side by side: they read adjacent bytes
+    if HAS_ORDER:
+        seq = tl.load(order_ptr + tl.program_id(1))
+    else:
+        seq = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -92,16 +101,69 @@ def _decode_kernel(
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
-    rows = tl.arange(0, BLOCK_H)  # query heads of this KV head's group, padded to a dot-friendly size
+    rows = tl.arange(0, BLOCK_H)  # query heads of this KV head's group, padded to a power of two
     dims = tl.arange(0, HEAD_DIM)
-    cols = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + rows
     row_mask = rows < GROUP
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :],
                 mask=row_mask[:, None], other=0.0)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    k_head = k_cache_ptr + kv_head * stride_k_head
+    v_head = v_cache_ptr + kv_head * stride_v_head
+    k_scale_head = k_scale_ptr + kv_head * stride_s_head
+    v_scale_head = v_scale_ptr + kv_head * stride_s_head
+    if CUDA_CORES:
+        acc, m_i, l_i = fp8_decode_split(q.to(tl.float32) * scale_log2, k_head, v_head, k_scale_head, v_scale_head,
+                                         table, start, end, stride_k_block, stride_k_tok, stride_v_block,
+                                         stride_v_tok, stride_s_block, stride_s_tok, BLOCK_H, HEAD_DIM, BLOCK_SIZE,
+                                         BLOCK_N)
+    else:
+        acc, m_i, l_i = _tensor_core_split(q, scale_log2, k_head, v_head, k_scale_head, v_scale_head, table, start,
+                                           end, stride_k_block, stride_k_tok, stride_v_block, stride_v_tok,
+                                           stride_s_block, stride_s_tok, BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+                                           DOT_PRECISION, IS_FP8, WIDEN_V_IN_REGISTERS, k_cache_ptr.dtype.element_ty)
+
+    is_nonempty = l_i > 0.0
+    out_tile = acc / tl.where(is_nonempty, l_i, 1.0)[:, None]  # an empty range gives 0, not NaN
+    if IS_SPLIT:
+        lse = tl.where(is_nonempty, m_i + tl.log2(l_i), float("-inf"))
+        po = partial_out_ptr + seq.to(tl.int64) * stride_po_seq
+        tl.store(po + split * stride_po_split + heads[:, None] * stride_po_head + dims[None, :], out_tile,
+                 mask=row_mask[:, None])
+        pl = partial_lse_ptr + seq.to(tl.int64) * stride_pl_seq
+        tl.store(pl + split + heads * stride_pl_head, lse, mask=row_mask)
+        # Every thread's stores before the count (the barrier), the count a release and an acquire at
+        # GPU scope, so the last program's loads (L2, .cg: not a stale L1 line) see every split's.
+        tl.debug_barrier()
+        counter = counters_ptr + seq * num_kv_heads + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            tl.store(counter, 0)  # ready for the next launch (the next layer, the next graph replay)
+            o = out_ptr + seq.to(tl.int64) * stride_o_tok
+            # Only the splits that hold tokens: a CUDA graph's grid has splits for the longest context.
+            num_filled = tl.cdiv(seq_len, tl.maximum(split_len, 1))
+            for row in tl.static_range(GROUP):
+                head = kv_head * GROUP + row
+                merged = _merge_head(po + head * stride_po_head, pl + head * stride_pl_head, num_filled,
+                                     stride_po_split, HEAD_DIM, BLOCK_SPLITS)
+                tl.store(o + head * stride_o_head + dims, merged.to(out_ptr.dtype.element_ty))
+    else:
+        o = out_ptr + seq.to(tl.int64) * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :]
+        tl.store(o, out_tile.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+@triton.jit
+def _tensor_core_split(q, scale_log2, k_head, v_head, k_scale_head, v_scale_head, table, start, end,
+                       stride_k_block, stride_k_tok, stride_v_block, stride_v_tok, stride_s_block, stride_s_tok,
+                       BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                       BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, IS_FP8: tl.constexpr,
+                       WIDEN_V_IN_REGISTERS: tl.constexpr, CACHE_DTYPE: tl.constexpr):
+    """Unnormalized output [BLOCK_H, HEAD_DIM], row max and row sum (log2 domain) of the query rows q
+    over tokens start..end-1 of one KV head, with both products on the tensor cores (BLOCK_H >= 16)."""
+    dims = tl.arange(0, HEAD_DIM)
+    cols = tl.arange(0, BLOCK_N)
     row_scale = tl.full([BLOCK_H], scale_log2, dtype=tl.float32)
     if not IS_FP8:  # the dots run in the cache's dtype, or in float16 for an fp8 cache
-        q = q.to(k_cache_ptr.dtype.element_ty)
+        q = q.to(CACHE_DTYPE)
     else:
         q_max = tl.max(tl.abs(q.to(tl.float32)), 1)
         q_max = tl.where(q_max > 0.0, q_max, 1.0)
@@ -113,11 +175,6 @@ def _decode_kernel(
     # warps in every tile would cost a shared-memory round trip and barriers.
     l_cols = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    k_head = k_cache_ptr + kv_head * stride_k_head
-    v_head = v_cache_ptr + kv_head * stride_v_head
-    k_scale_head = k_scale_ptr + kv_head * stride_s_head
-    v_scale_head = v_scale_ptr + kv_head * stride_s_head
     page_ids = load_page_ids(table, start, end, BLOCK_SIZE, BLOCK_N)
     for tile_start in range(start, end, BLOCK_N):
         col_mask = tile_start + cols < end
@@ -149,34 +206,7 @@ def _decode_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
-
-    l_i = tl.sum(l_cols, 1)
-    is_nonempty = l_i > 0.0
-    out_tile = acc / tl.where(is_nonempty, l_i, 1.0)[:, None]  # an empty range gives 0, not NaN
-    if IS_SPLIT:
-        lse = tl.where(is_nonempty, m_i + tl.log2(l_i), float("-inf"))
-        po = partial_out_ptr + seq.to(tl.int64) * stride_po_seq
-        tl.store(po + split * stride_po_split + heads[:, None] * stride_po_head + dims[None, :], out_tile,
-                 mask=row_mask[:, None])
-        pl = partial_lse_ptr + seq.to(tl.int64) * stride_pl_seq
-        tl.store(pl + split + heads * stride_pl_head, lse, mask=row_mask)
-        # Every thread's stores before the count (the barrier), the count a release and an acquire at
-        # GPU scope, so the last program's loads (L2, .cg: not a stale L1 line) see every split's.
-        tl.debug_barrier()
-        counter = counters_ptr + seq * num_kv_heads + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-            tl.store(counter, 0)  # ready for the next launch (the next layer, the next graph replay)
-            o = out_ptr + seq.to(tl.int64) * stride_o_tok
-            # Only the splits that hold tokens: a CUDA graph's grid has splits for the longest context.
-            num_filled = tl.cdiv(seq_len, tl.maximum(split_len, 1))
-            for row in tl.static_range(GROUP):
-                head = kv_head * GROUP + row
-                merged = _merge_head(po + head * stride_po_head, pl + head * stride_pl_head, num_filled,
-                                     stride_po_split, HEAD_DIM, BLOCK_SPLITS)
-                tl.store(o + head * stride_o_head + dims, merged.to(out_ptr.dtype.element_ty))
-    else:
-        o = out_ptr + seq.to(tl.int64) * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :]
-        tl.store(o, out_tile.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    return acc, m_i, tl.sum(l_cols, 1)
 
 
 @triton.jit
@@ -196,8 +226,10 @@ def _merge_head(po_ptr, pl_ptr, num_filled, stride_po_split, HEAD_DIM: tl.conste
     return tl.sum(parts * weights[:, None], 0) / tl.where(total > 0.0, total, 1.0)
 
 
-def decode_num_warps(fp8: bool) -> int:
-    """Warps a decode program runs with, by the cache's element type."""
+def decode_num_warps(fp8: bool, cuda_cores: bool = FP8_ON_CUDA_CORES) -> int:
+    """Warps a decode program runs with, by the cache's element type and the fp8 kernel's kind."""
+    if fp8 and cuda_cores:
+        return FP8_CUDA_CORES_NUM_WARPS
     return FP8_DECODE_NUM_WARPS if fp8 else DECODE_NUM_WARPS
 
 
@@ -253,8 +285,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  seq_lens: torch.Tensor, scale: float, num_splits: int, workspace: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, *, counters: torch.Tensor | None = None,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                 block_n: int = DECODE_BLOCK_N, num_warps: int | None = None,
-                 num_stages: int = DECODE_NUM_STAGES) -> torch.Tensor:
+                 order: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
+                 num_stages: int = DECODE_NUM_STAGES, fp8_cuda_cores: bool = FP8_ON_CUDA_CORES) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
     q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
@@ -263,20 +295,25 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     at least decode_counters_numel(...), both needed when num_splits > 1 (allocated here when None;
     preallocate them for CUDA graph capture). out: [num_seqs, num_heads, head_dim], allocated when None.
     k_scale, v_scale: an fp8 cache's per-head-vector scales, float32 [num_blocks, block_size,
-    num_kv_heads] (kv_quant; None otherwise). block_n, num_warps
-    (decode_num_warps when None), num_stages: tuning knobs (see the bench).
-    Launches only, no host sync.
+    num_kv_heads] (kv_quant; None otherwise). order: int32 [num_seqs], a permutation of the sequences
+    in the order their programs should start (base.longest_first; None: batch order). block_n, num_warps,
+    num_stages, fp8_cuda_cores: tuning knobs (see the bench). Launches only, no host sync.
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     fp8 = is_fp8(k_cache.dtype)
+    cuda_cores = fp8 and fp8_cuda_cores
     group = attention_group(q, k_cache, v_cache)
     k_scale, v_scale, scale_strides = scale_operands(k_cache, k_scale, v_scale)
     out = torch.empty_like(q) if out is None else out
     if num_seqs == 0:
         return out
+    if order is not None and (order.shape != (num_seqs,) or order.dtype != torch.int32):
+        raise ValueError(f"order must be int32 [{num_seqs}], got {order.dtype} {tuple(order.shape)}")
     if num_warps is None:
-        num_warps = decode_num_warps(fp8)
+        num_warps = decode_num_warps(fp8, cuda_cores)
+    if block_n is None:
+        block_n = FP8_DECODE_BLOCK_N if cuda_cores else DECODE_BLOCK_N
     num_splits = max(1, min(int(num_splits), MAX_NUM_SPLITS))
     is_split = num_splits > 1
     if is_split:
@@ -290,9 +327,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                                                                                        num_splits)
     else:
         partial_out = partial_lse = counters = out  # unused by the kernel's IS_SPLIT=False branch
-    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse,
-        counters, k_scale, v_scale, scale * LOG2E, num_splits, num_kv_heads,
+    block_h = triton.next_power_of_2(group) if cuda_cores else max(16, triton.next_power_of_2(group))
+    _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, order if order is not None else seq_lens, out, partial_out,
+        partial_lse, counters, k_scale, v_scale, scale * LOG2E, num_splits, num_kv_heads,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -301,11 +339,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         out.stride(0), out.stride(1),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2) if is_split else 0,
         partial_lse.stride(0), partial_lse.stride(1),
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, IS_SPLIT=is_split,
         BLOCK_SPLITS=triton.next_power_of_2(num_splits),
         DOT_PRECISION=dot_precision(compute_dtype(q, k_cache)), IS_FP8=fp8,
         WIDEN_V_IN_REGISTERS=fp8 and q.is_cuda,  # inline PTX: not under the CPU interpreter
+        HAS_ORDER=order is not None, CUDA_CORES=cuda_cores,
         num_warps=num_warps, num_stages=num_stages, **pdl_options(q.device),
     )
     return out

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from worker_service.attention.base import AttentionMetadata
+from worker_service.attention.base import AttentionMetadata, longest_first
 from worker_service.runtime.sequence_state import PendingToken, WorkerSequence
 from worker_service.sampling.sampling_state import SamplingRows, host_to_device
 
@@ -87,7 +87,8 @@ def build_model_input(chunks: list[ScheduledChunk], block_size: int, device: tor
                                  seq_lens=move(seq_lens), block_tables=move(tables),
                                  max_query_len=int(query_lens.max()), max_seq_len=int(ends.max()),
                                  block_size=block_size, query_lens_host=query_lens.tolist(),
-                                 seq_lens_host=seq_lens.tolist())
+                                 seq_lens_host=seq_lens.tolist(),
+                                 decode_order=move(longest_first(seq_lens)) if num_tokens == num_seqs else None)
     return ModelInput(input_ids=move(input_ids), positions=move(positions.astype(np.int64, copy=False)),
                       metadata=metadata, logits_indices=move(query_start[1:][samples] - 1),
                       sampled_chunks=[c for c in chunks if c.samples], block_tables_host=tables,

@@ -104,12 +104,15 @@ class DecodeGraphs(_GraphLadder):
         super().__init__(model, config, sizes, sizes[-1], max_model_len, block_size, device)
         self.max_batch = sizes[-1]
         query_start_loc = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
+        # The decode kernel's program order: the step's own, padding rows (seq_len 0) last.
+        self.batch_order = torch.arange(self.max_batch, dtype=torch.int32, device=device)
+        self.decode_order = self.batch_order.clone()
         num_heads, num_kv_heads = heads or (config.num_heads, config.num_kv_heads)
         for size in sorted(sizes, reverse=True):  # the largest first: smaller ones share its buffers
             metadata = AttentionMetadata(
                 slot_mapping=self.slot_mapping[:size], query_start_loc=query_start_loc[:size + 1],
                 seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size], max_query_len=1,
-                max_seq_len=max_model_len, block_size=block_size)
+                max_seq_len=max_model_len, block_size=block_size, decode_order=self.decode_order[:size])
             self.metadata[size] = backend.prepare_decode_graph(metadata, num_heads, num_kv_heads, config.head_dim,
                                                                max_model_len)
 
@@ -123,6 +126,9 @@ class DecodeGraphs(_GraphLadder):
         size = next(s for s in self.sizes if s >= num_seqs)
         self.seq_lens[:num_seqs].copy_(metadata.seq_lens, non_blocking=True)
         self.seq_lens[num_seqs:size].fill_(0)
+        order = self.batch_order if metadata.decode_order is None else metadata.decode_order
+        self.decode_order[:num_seqs].copy_(order[:num_seqs], non_blocking=True)
+        self.decode_order[num_seqs:size].copy_(self.batch_order[num_seqs:size], non_blocking=True)
         return self._replay(input_ids, positions, metadata, size)
 
 
