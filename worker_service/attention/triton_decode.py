@@ -116,7 +116,7 @@ def _decode_kernel(
         acc, m_i, l_i = fp8_decode_split(q.to(tl.float32) * scale_log2, k_head, v_head, k_scale_head, v_scale_head,
                                          table, start, end, stride_k_block, stride_k_tok, stride_v_block,
                                          stride_v_tok, stride_s_block, stride_s_tok, BLOCK_H, HEAD_DIM, BLOCK_SIZE,
-                                         BLOCK_N)
+                                         BLOCK_N, WIDEN_V_IN_REGISTERS)
     else:
         acc, m_i, l_i = _tensor_core_split(q, scale_log2, k_head, v_head, k_scale_head, v_scale_head, table, start,
                                            end, stride_k_block, stride_k_tok, stride_v_block, stride_v_tok,
