@@ -206,9 +206,9 @@ def random_length_rows(device: torch.device, num_seqs: int = 256, lengths: tuple
     """Decode at the reference workload's spread of contexts (num_seqs sequences of uniformly random
     lengths): the bf16 cache (also through flash-attn where installed) and an fp8 cache (its scales laid
     out as the worker allocates them), each kernel with its programs in batch order and longest first
-    (the order the worker passes); the fp8 cache on the CUDA cores (the default) and on the tensor cores.
-    sweep: also the CUDA-core kernel's tile lengths and warps. Bytes: each sequence's own K and V (fp8:
-    values and scales); the error is against SDPA with each sequence's padding masked."""
+    (the order the worker passes). sweep: also the fp8 kernel's tile lengths and warps. Bytes: each
+    sequence's own K and V (fp8: values and scales); the error is against SDPA with each sequence's padding
+    masked."""
     generator = torch.Generator().manual_seed(seed)
     seq_lens_list = torch.randint(lengths[0], lengths[1] + 1, (num_seqs,), generator=generator)
     context = int(seq_lens_list.max())
@@ -227,10 +227,9 @@ def random_length_rows(device: torch.device, num_seqs: int = 256, lengths: tuple
     scales = {name: allocate_scales(torch.empty, (fp8_k.shape[0],), block_size, NUM_KV_HEADS, device).copy_(value)
               for name, value in scales.items()}
     starts = torch.arange(num_seqs + 1, dtype=torch.int32, device=device)  # one query token per sequence
-    fp8_configs = [("fp8-cores", {"fp8_cuda_cores": True}), ("fp8-tensor", {"fp8_cuda_cores": False})]
+    fp8_configs = [("fp8", {})]
     if sweep:
-        fp8_configs += [(f"fp8-cores-n{n}-w{w}", {"fp8_cuda_cores": True, "block_n": n, "num_warps": w})
-                        for n in (16, 32) for w in (2, 4, 8)]
+        fp8_configs += [(f"fp8-n{n}-w{w}", {"block_n": n, "num_warps": w}) for n in (32, 64, 128) for w in (1, 2, 4)]
     cases = [("bf16", k_cache, v_cache, {}, k, v, 2 * HEAD_DIM * 2, {})]
     cases += [(name, fp8_k, fp8_v, scales, k_seen, v_seen, 2 * (HEAD_DIM + 4), config) for name, config in fp8_configs]
     rows = []

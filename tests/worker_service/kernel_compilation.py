@@ -45,7 +45,6 @@ def variants() -> list[Variant]:
     from worker_service.attention.triton_decode import (
         DECODE_BLOCK_N,
         DECODE_NUM_STAGES,
-        FP8_DECODE_BLOCK_N,
         _decode_kernel,
         decode_num_warps,
     )
@@ -62,18 +61,15 @@ def variants() -> list[Variant]:
     # The KV cache in the model dtype, and in fp8 (kv_cache_dtype="fp8": e4m3; decode reads it as fp16).
     kv_types = {False: {}, True: {"k_cache_ptr": "fp8e4nv", "v_cache_ptr": "fp8e4nv", "k_scale_ptr": "fp32",
                                   "v_scale_ptr": "fp32"}}
-    # The decode kernel: bf16 on the tensor cores, fp8 on the CUDA cores (the default) and on the tensor cores.
-    decode_kinds = ((False, False), (True, True), (True, False))  # (fp8, CUDA cores)
     result = [
-        Variant(f"decode split={is_split} fp8={fp8} cuda_cores={cores}", _decode_kernel,
-                dict(cache, GROUP=2, BLOCK_H=2 if cores else 16, IS_SPLIT=is_split, BLOCK_SPLITS=4,
-                     BLOCK_N=FP8_DECODE_BLOCK_N if cores else DECODE_BLOCK_N, DOT_PRECISION="tf32", IS_FP8=fp8,
-                     WIDEN_V_IN_REGISTERS=fp8, HAS_ORDER=True, CUDA_CORES=cores, PDL=True),
+        Variant(f"decode split={is_split} fp8={fp8}", _decode_kernel,
+                dict(cache, GROUP=2, BLOCK_H=16, BLOCK_N=DECODE_BLOCK_N, IS_SPLIT=is_split, BLOCK_SPLITS=4,
+                     DOT_PRECISION="tf32", IS_FP8=fp8, WIDEN_V_IN_REGISTERS=fp8, HAS_ORDER=True, PDL=True),
                 dict(tables, order_ptr="i32", partial_out_ptr="fp32", partial_lse_ptr="fp32", counters_ptr="i32",
                      **kv_types[fp8]),
                 ("scale_log2",),
-                options=dict(num_warps=decode_num_warps(fp8, cores), num_stages=DECODE_NUM_STAGES, launch_pdl=True))
-        for fp8, cores in decode_kinds for is_split in (False, True)
+                options=dict(num_warps=decode_num_warps(fp8), num_stages=DECODE_NUM_STAGES, launch_pdl=True))
+        for fp8 in (False, True) for is_split in (False, True)
     ]
     for fp8 in (False, True):
         result += [

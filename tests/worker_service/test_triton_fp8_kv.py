@@ -131,9 +131,7 @@ def test_rope_and_store_quantizes_what_it_stores_unquantized(has_norm: bool) -> 
 @pytest.mark.parametrize("splits", ["one", "auto"])
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("dtype", [LOW, torch.float32])  # float16 scales V tiles, others the probabilities
-@pytest.mark.parametrize("cuda_cores", [True, False])  # the default kernel, and the tensor-core one
-def test_decode_over_fp8_matches_dequantized_reference(splits: str, group: int, dtype: torch.dtype,
-                                                       cuda_cores: bool) -> None:
+def test_decode_over_fp8_matches_dequantized_reference(splits: str, group: int, dtype: torch.dtype) -> None:
     seq_lens = [1, 16, 17, 63, 65, *random_lengths(3, 2, small(3000, 200), seed=group), 0]
     base = make_batch(seq_lens, [1] * len(seq_lens), block_size=16, num_heads=2 * group, num_kv_heads=2,
                       head_dim=64, dtype=dtype, seed=group)
@@ -143,9 +141,8 @@ def test_decode_over_fp8_matches_dequantized_reference(splits: str, group: int, 
     out = torch.full_like(base.q, float("nan"))
     paged_decode(quantized.q, quantized.k_cache, quantized.v_cache, quantized.block_tables,
                  torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), scale, num_splits, out=out,
-                 k_scale=k_scale, v_scale=v_scale, fp8_cuda_cores=cuda_cores)
-    assert_matches(out, reference(dequantized, scale), base,
-                   f"fp8 decode splits={num_splits} group={group} cuda_cores={cuda_cores}")
+                 k_scale=k_scale, v_scale=v_scale)
+    assert_matches(out, reference(dequantized, scale), base, f"fp8 decode splits={num_splits} group={group}")
 
 
 @pytest.mark.parametrize("dtype", [LOW, torch.float32])

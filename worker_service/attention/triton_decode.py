@@ -39,7 +39,6 @@ from worker_service.attention.triton_common import (
     scale_operands,
     widen_fp8_in_registers,
 )
-from worker_service.attention.triton_decode_fp8 import fp8_decode_split
 from worker_service.attention.triton_paging import load_page_ids, token_offsets
 from worker_service.layers.fused_kernels import num_sms
 from worker_service.layers.triton_pdl import pdl_options, wait_for_previous_kernel
@@ -52,10 +51,6 @@ DECODE_NUM_WARPS = 4
 # bench/results/2026-12-01-h200-fp8-decode-warps.txt: 64 tokens and 2 warps 9 % faster than 128
 # tokens and 4 at 256 x 1024 and 64 x 4096; 12 % with the per-column row sums).
 FP8_DECODE_NUM_WARPS = 2
-# The fp8 cache on the CUDA cores (triton_decode_fp8), in tiles of FP8_DECODE_BLOCK_N tokens (its softmax's slots).
-FP8_ON_CUDA_CORES = False
-FP8_DECODE_BLOCK_N = 16
-FP8_CUDA_CORES_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3  # next tile's K/V in flight while this one computes (>= 3 needed: see triton_paging)
 # Decode programs a split grid gives each multiprocessor: all of them resident at once, none in a second
 # wave that waits for the first. A bf16 program's three stages of 64-token K/V tiles take 70 KB of shared
@@ -84,7 +79,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, BLOCK_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     IS_FP8: tl.constexpr, WIDEN_V_IN_REGISTERS: tl.constexpr, HAS_ORDER: tl.constexpr,
-    CUDA_CORES: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     if PDL:
         wait_for_previous_kernel()
@@ -101,7 +96,7 @@ def _decode_kernel(
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
-    rows = tl.arange(0, BLOCK_H)  # query heads of this KV head's group, padded to a power of two
+    rows = tl.arange(0, BLOCK_H)  # query heads of this KV head's group, padded to a dot-friendly size
     dims = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + rows
     row_mask = rows < GROUP
@@ -112,16 +107,10 @@ def _decode_kernel(
     v_head = v_cache_ptr + kv_head * stride_v_head
     k_scale_head = k_scale_ptr + kv_head * stride_s_head
     v_scale_head = v_scale_ptr + kv_head * stride_s_head
-    if CUDA_CORES:
-        acc, m_i, l_i = fp8_decode_split(q.to(tl.float32) * scale_log2, k_head, v_head, k_scale_head, v_scale_head,
-                                         table, start, end, stride_k_block, stride_k_tok, stride_v_block,
-                                         stride_v_tok, stride_s_block, stride_s_tok, BLOCK_H, HEAD_DIM, BLOCK_SIZE,
-                                         BLOCK_N, WIDEN_V_IN_REGISTERS)
-    else:
-        acc, m_i, l_i = _tensor_core_split(q, scale_log2, k_head, v_head, k_scale_head, v_scale_head, table, start,
-                                           end, stride_k_block, stride_k_tok, stride_v_block, stride_v_tok,
-                                           stride_s_block, stride_s_tok, BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
-                                           DOT_PRECISION, IS_FP8, WIDEN_V_IN_REGISTERS, k_cache_ptr.dtype.element_ty)
+    acc, m_i, l_i = _split_attention(q, scale_log2, k_head, v_head, k_scale_head, v_scale_head, table, start, end,
+                                     stride_k_block, stride_k_tok, stride_v_block, stride_v_tok, stride_s_block,
+                                     stride_s_tok, BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, IS_FP8,
+                                     WIDEN_V_IN_REGISTERS, k_cache_ptr.dtype.element_ty)
 
     is_nonempty = l_i > 0.0
     out_tile = acc / tl.where(is_nonempty, l_i, 1.0)[:, None]  # an empty range gives 0, not NaN
@@ -152,13 +141,13 @@ def _decode_kernel(
 
 
 @triton.jit
-def _tensor_core_split(q, scale_log2, k_head, v_head, k_scale_head, v_scale_head, table, start, end,
+def _split_attention(q, scale_log2, k_head, v_head, k_scale_head, v_scale_head, table, start, end,
                        stride_k_block, stride_k_tok, stride_v_block, stride_v_tok, stride_s_block, stride_s_tok,
                        BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                        BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, IS_FP8: tl.constexpr,
                        WIDEN_V_IN_REGISTERS: tl.constexpr, CACHE_DTYPE: tl.constexpr):
     """Unnormalized output [BLOCK_H, HEAD_DIM], row max and row sum (log2 domain) of the query rows q
-    over tokens start..end-1 of one KV head, with both products on the tensor cores (BLOCK_H >= 16)."""
+    over tokens start..end-1 of one KV head (an empty range: zeros, a max of -inf)."""
     dims = tl.arange(0, HEAD_DIM)
     cols = tl.arange(0, BLOCK_N)
     row_scale = tl.full([BLOCK_H], scale_log2, dtype=tl.float32)
@@ -226,10 +215,8 @@ def _merge_head(po_ptr, pl_ptr, num_filled, stride_po_split, HEAD_DIM: tl.conste
     return tl.sum(parts * weights[:, None], 0) / tl.where(total > 0.0, total, 1.0)
 
 
-def decode_num_warps(fp8: bool, cuda_cores: bool = FP8_ON_CUDA_CORES) -> int:
-    """Warps a decode program runs with, by the cache's element type and the fp8 kernel's kind."""
-    if fp8 and cuda_cores:
-        return FP8_CUDA_CORES_NUM_WARPS
+def decode_num_warps(fp8: bool) -> int:
+    """Warps a decode program runs with, by the cache's element type."""
     return FP8_DECODE_NUM_WARPS if fp8 else DECODE_NUM_WARPS
 
 
@@ -285,8 +272,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  seq_lens: torch.Tensor, scale: float, num_splits: int, workspace: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, *, counters: torch.Tensor | None = None,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                 order: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
-                 num_stages: int = DECODE_NUM_STAGES, fp8_cuda_cores: bool = FP8_ON_CUDA_CORES) -> torch.Tensor:
+                 order: torch.Tensor | None = None, block_n: int = DECODE_BLOCK_N, num_warps: int | None = None,
+                 num_stages: int = DECODE_NUM_STAGES) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
     q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
@@ -297,12 +284,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     k_scale, v_scale: an fp8 cache's per-head-vector scales, float32 [num_blocks, block_size,
     num_kv_heads] (kv_quant; None otherwise). order: int32 [num_seqs], a permutation of the sequences
     in the order their programs should start (base.longest_first; None: batch order). block_n, num_warps,
-    num_stages, fp8_cuda_cores: tuning knobs (see the bench). Launches only, no host sync.
+    num_stages: tuning knobs (see the bench). Launches only, no host sync.
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     fp8 = is_fp8(k_cache.dtype)
-    cuda_cores = fp8 and fp8_cuda_cores
     group = attention_group(q, k_cache, v_cache)
     k_scale, v_scale, scale_strides = scale_operands(k_cache, k_scale, v_scale)
     out = torch.empty_like(q) if out is None else out
@@ -311,9 +297,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if order is not None and (order.shape != (num_seqs,) or order.dtype != torch.int32):
         raise ValueError(f"order must be int32 [{num_seqs}], got {order.dtype} {tuple(order.shape)}")
     if num_warps is None:
-        num_warps = decode_num_warps(fp8, cuda_cores)
-    if block_n is None:
-        block_n = FP8_DECODE_BLOCK_N if cuda_cores else DECODE_BLOCK_N
+        num_warps = decode_num_warps(fp8)
     num_splits = max(1, min(int(num_splits), MAX_NUM_SPLITS))
     is_split = num_splits > 1
     if is_split:
@@ -327,7 +311,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                                                                                        num_splits)
     else:
         partial_out = partial_lse = counters = out  # unused by the kernel's IS_SPLIT=False branch
-    block_h = triton.next_power_of_2(group) if cuda_cores else max(16, triton.next_power_of_2(group))
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, order if order is not None else seq_lens, out, partial_out,
         partial_lse, counters, k_scale, v_scale, scale * LOG2E, num_splits, num_kv_heads,
@@ -339,12 +322,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         out.stride(0), out.stride(1),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2) if is_split else 0,
         partial_lse.stride(0), partial_lse.stride(1),
-        GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, IS_SPLIT=is_split,
         BLOCK_SPLITS=triton.next_power_of_2(num_splits),
         DOT_PRECISION=dot_precision(compute_dtype(q, k_cache)), IS_FP8=fp8,
         WIDEN_V_IN_REGISTERS=fp8 and q.is_cuda,  # inline PTX: not under the CPU interpreter
-        HAS_ORDER=order is not None, CUDA_CORES=cuda_cores,
+        HAS_ORDER=order is not None,
         num_warps=num_warps, num_stages=num_stages, **pdl_options(q.device),
     )
     return out
