@@ -206,7 +206,7 @@ def random_length_rows(device: torch.device, num_seqs: int = 256, lengths: tuple
     """Decode at the reference workload's spread of contexts (num_seqs sequences of uniformly random
     lengths): the bf16 cache (also through flash-attn where installed) and an fp8 cache (its scales laid
     out as the worker allocates them), each kernel with its programs in batch order and longest first
-    (the order the worker passes). sweep: also the fp8 kernel's tile lengths and warps. Bytes: each
+    (the order the worker passes). sweep: also the fp8 kernel's tile lengths, warps and stages. Bytes: each
     sequence's own K and V (fp8: values and scales); the error is against SDPA with each sequence's padding
     masked."""
     generator = torch.Generator().manual_seed(seed)
@@ -229,7 +229,8 @@ def random_length_rows(device: torch.device, num_seqs: int = 256, lengths: tuple
     starts = torch.arange(num_seqs + 1, dtype=torch.int32, device=device)  # one query token per sequence
     fp8_configs = [("fp8", {})]
     if sweep:
-        fp8_configs += [(f"fp8-n{n}-w{w}", {"block_n": n, "num_warps": w}) for n in (32, 64, 128) for w in (1, 2, 4)]
+        fp8_configs += [(f"fp8-n{n}-w{w}-s{st}", {"block_n": n, "num_warps": w, "num_stages": st})
+                        for n in (32, 64, 128) for w in (1, 2, 4) for st in (2, 3, 4)]
     cases = [("bf16", k_cache, v_cache, {}, k, v, 2 * HEAD_DIM * 2, {})]
     cases += [(name, fp8_k, fp8_v, scales, k_seen, v_seen, 2 * (HEAD_DIM + 4), config) for name, config in fp8_configs]
     rows = []
