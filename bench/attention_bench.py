@@ -372,7 +372,7 @@ def main() -> None:
                         help="only the decode rows at these shapes (block size 256), e.g. 1:32768")
     parser.add_argument("--random-lengths", metavar="NUM_SEQS", type=int, nargs="*",
                         help="only batches of random lengths 100-2047 (default 256 sequences), bf16 and fp8 caches; "
-                             "with --sweep also the fp8 kernel's tiles and warps")
+                             "with --sweep also the fp8 kernel's tiles, warps and stages")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")

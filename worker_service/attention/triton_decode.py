@@ -1,6 +1,9 @@
 """Paged decode attention (one query token per sequence), split-K / flash-decoding, in Triton.
 
-Grid (num_seqs, num_kv_heads, num_splits). A program loads the GROUP query heads that share one KV
+Grid (num_kv_heads, num_seqs, num_splits), the sequences taken in the order the caller gives
+(AttentionMetadata.decode_order: longest first, so that no long sequence starts last and runs alone
+on an emptying device; 0.92x the time of batch order for an fp8 cache at 256 random lengths,
+bench/results/2026-12-07-h100-decode-order.md). A program loads the GROUP query heads that share one KV
 head as the rows of one tile, so each K/V tile is read from memory once per KV head and not once
 per query head, and streams its share of the sequence's context through the block table in tiles
 of BLOCK_N tokens x head_dim (each token's head_dim row is contiguous: 16-byte, coalesced loads).
@@ -142,10 +145,10 @@ def _decode_kernel(
 
 @triton.jit
 def _split_attention(q, scale_log2, k_head, v_head, k_scale_head, v_scale_head, table, start, end,
-                       stride_k_block, stride_k_tok, stride_v_block, stride_v_tok, stride_s_block, stride_s_tok,
-                       BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                       BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, IS_FP8: tl.constexpr,
-                       WIDEN_V_IN_REGISTERS: tl.constexpr, CACHE_DTYPE: tl.constexpr):
+                     stride_k_block, stride_k_tok, stride_v_block, stride_v_tok, stride_s_block, stride_s_tok,
+                     BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, IS_FP8: tl.constexpr,
+                     WIDEN_V_IN_REGISTERS: tl.constexpr, CACHE_DTYPE: tl.constexpr):
     """Unnormalized output [BLOCK_H, HEAD_DIM], row max and row sum (log2 domain) of the query rows q
     over tokens start..end-1 of one KV head (an empty range: zeros, a max of -inf)."""
     dims = tl.arange(0, HEAD_DIM)
