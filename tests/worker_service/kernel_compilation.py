@@ -15,7 +15,8 @@ SM90 = ("cuda", 90, 32)
 @dataclass
 class Variant:
     """One compiled specialisation: pointer element types (others bf16), float scalars (others
-    int32), the constexprs, and the launch options."""
+    int32), the constexprs, the launch options, and the arguments a launch passes as multiples of 16
+    (Triton specialises on that, and only then can it make 16-byte loads)."""
 
     name: str
     kernel: object
@@ -24,6 +25,11 @@ class Variant:
     floats: tuple[str, ...] = ()
     int64s: tuple[str, ...] = ()
     options: dict[str, object] = field(default_factory=dict)
+    divisible_by_16: tuple[str, ...] = ()
+
+    def attrs(self) -> dict[tuple[int, ...], list[list[object]]]:
+        return {(index,): [["tt.divisibility", 16]] for index, name in enumerate(self.kernel.arg_names)
+                if name in self.divisible_by_16}
 
     def signature(self) -> dict[str, str]:
         types = {}
@@ -61,14 +67,24 @@ def variants() -> list[Variant]:
     # The KV cache in the model dtype, and in fp8 (kv_cache_dtype="fp8": e4m3; decode reads it as fp16).
     kv_types = {False: {}, True: {"k_cache_ptr": "fp8e4nv", "v_cache_ptr": "fp8e4nv", "k_scale_ptr": "fp32",
                                   "v_scale_ptr": "fp32"}}
+    # As the worker launches it: 16-byte aligned tensors, strides of whole head vectors, an fp8 cache's
+    # scales head by head within a block (kv_quant.allocate_scales: unit token stride).
+    decode_strides = ("stride_q_tok", "stride_q_head", "stride_k_block", "stride_k_tok", "stride_k_head",
+                      "stride_v_block", "stride_v_tok", "stride_v_head", "stride_o_tok", "stride_o_head",
+                      "stride_po_seq", "stride_po_head")
+    pointers = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr", "order_ptr", "out_ptr",
+                "partial_out_ptr", "partial_lse_ptr", "counters_ptr", "k_scale_ptr", "v_scale_ptr")
+    fp8_scales = {False: {}, True: {"stride_s_tok": 1}}
     result = [
         Variant(f"decode split={is_split} fp8={fp8}", _decode_kernel,
                 dict(cache, GROUP=2, BLOCK_H=16, BLOCK_N=DECODE_BLOCK_N, IS_SPLIT=is_split, BLOCK_SPLITS=4,
-                     DOT_PRECISION="tf32", IS_FP8=fp8, WIDEN_V_IN_REGISTERS=fp8, HAS_ORDER=True, PDL=True),
+                     DOT_PRECISION="tf32", IS_FP8=fp8, WIDEN_V_IN_REGISTERS=fp8, HAS_ORDER=True, PDL=True,
+                     **fp8_scales[fp8]),
                 dict(tables, order_ptr="i32", partial_out_ptr="fp32", partial_lse_ptr="fp32", counters_ptr="i32",
                      **kv_types[fp8]),
                 ("scale_log2",),
-                options=dict(num_warps=decode_num_warps(fp8), num_stages=DECODE_NUM_STAGES, launch_pdl=True))
+                options=dict(num_warps=decode_num_warps(fp8), num_stages=DECODE_NUM_STAGES, launch_pdl=True),
+                divisible_by_16=pointers + decode_strides + (("stride_s_block", "stride_s_head") if fp8 else ()))
         for fp8 in (False, True) for is_split in (False, True)
     ]
     for fp8 in (False, True):
@@ -191,10 +207,14 @@ def compile_all() -> list[str]:
 
     lines = []
     for variant in variants():
-        source = ASTSource(fn=variant.kernel, signature=variant.signature(), constexprs=variant.constexprs)
+        source = ASTSource(fn=variant.kernel, signature=variant.signature(), constexprs=variant.constexprs,
+                           attrs=variant.attrs())
         compiled = triton.compile(source, target=GPUTarget(*SM90), options=variant.options)
         ptx = compiled.asm["ptx"]
+        copies = [line for line in ptx.splitlines() if "cp.async.cg.shared.global" in line]
         lines.append(f"{variant.name}: {compiled.metadata.name}, {len(compiled.asm['cubin'])} bytes of cubin, "
+                     f"{compiled.metadata.shared} bytes of shared memory, "
+                     f"{sum(', 0x10,' in line for line in copies)} of {len(copies)} async copies 16 bytes, "
                      f"{ptx.count('atom.global.gpu.acq_rel')} acq_rel atomics, "
                      f"{ptx.count('griddepcontrol.wait')} griddepcontrol.wait")
     return lines

@@ -57,7 +57,8 @@ FP8_DECODE_NUM_WARPS = 2
 DECODE_NUM_STAGES = 3  # next tile's K/V in flight while this one computes (>= 3 needed: see triton_paging)
 # Decode programs a split grid gives each multiprocessor: all of them resident at once, none in a second
 # wave that waits for the first. A bf16 program's three stages of 64-token K/V tiles take 70 KB of shared
-# memory (Triton 3.6 for sm_90), so three fit in an H200 multiprocessor's 228 KB if registers allow;
+# memory (Triton 3.6 for sm_90; tests/worker_service/test_triton_kernels_compile.py checks that PROGRAMS_PER_SM
+# fit), so three fit in an H200 multiprocessor's 228 KB if registers allow;
 # measured at one sequence of 32k (bench/results/2026-12-03-h200-decode-chain.md): 64 splits (512
 # programs) 62.1 us a layer of a 0.6B decode step, 33 splits (264) 57.6, 24-32 splits the sweep's best.
 PROGRAMS_PER_SM = 2
