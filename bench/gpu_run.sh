@@ -6,8 +6,8 @@
 #   attention   bench/attention_bench.py
 #   throughput  bench/throughput.py, in-process and through gRPC (random Qwen3-0.6B, bf16)
 #   inprocess   bench/throughput.py, in-process only
-#   fp8         bench/throughput.py in-process with --kv-cache-dtype fp8 (twice, one device call), then the
-#               fp8 KV quality test on the tiny models (tests/worker_service/test_gpu_fp8_kv.py)
+#   fp8         bench/throughput.py in-process and through gRPC with --kv-cache-dtype fp8 (twice, one device
+#               call), then the fp8 KV quality test on the tiny models (tests/worker_service/test_gpu_fp8_kv.py)
 #   metrics     bench/throughput.py through gRPC with the scheduler's metrics recorded and served, and with
 #               --metrics-port 0 (nothing recorded), twice each in alternating order (issue 11's 1 % bound)
 #   hf          bench/throughput.py, transformers' continuous batching vs ours on the first 32
@@ -103,8 +103,8 @@ for s in ${@:-tests attention throughput}; do
     inprocess) timeout 400 python3 bench/throughput.py --modes inprocess --json-out "$OUT/inprocess.json" \
              2>&1 | tee "$OUT/inprocess.log" | tail -25 ;;
     fp8) for run in 1 2; do
-           timeout 300 python3 bench/throughput.py --modes inprocess --kv-cache-dtype fp8 \
-             --json-out "$OUT/inprocess-fp8-$run.json" 2>&1 | tee "$OUT/inprocess-fp8-$run.log" | tail -8
+           timeout 400 python3 bench/throughput.py --modes inprocess,grpc --kv-cache-dtype fp8 \
+             --json-out "$OUT/fp8-$run.json" 2>&1 | tee "$OUT/fp8-$run.log" | tail -8
          done
          timeout 300 python3 -m pytest -q -s -x -p no:cacheprovider tests/worker_service/test_gpu_fp8_kv.py \
            tests/worker_service/test_triton_fp8_kv.py 2>&1 | tee "$OUT/fp8-tests.log" | tail -15 ;;

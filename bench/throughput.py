@@ -177,7 +177,7 @@ def _start_worker(args: argparse.Namespace, model: str, port: int, gpu: int | No
              "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
              "--tensor-parallel-size", str(args.tensor_parallel_size),
              *(["--enforce-eager"] if args.enforce_eager else []),
-             "--attention-backend", args.attention_backend,
+             "--attention-backend", args.attention_backend, "--kv-cache-dtype", args.kv_cache_dtype,
              *(["--deterministic"] if args.deterministic else [])]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", SECRET_ENV: WORKER_SECRET}
     if gpu is not None:
