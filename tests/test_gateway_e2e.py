@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -93,6 +94,15 @@ def gateway(log: Path, *worker_ports: int, policy: str = "round_robin", extra: t
         client.close()
         process.kill()  # SIGTERM would keep its listener open for a 5 s load-balancer settle window
         process.wait()
+
+
+def _listens(port: int) -> bool:
+    """Something accepts connections on the loopback port."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
 
 
 def _serves(client: openai.OpenAI, port: int, num_workers: int) -> bool:
@@ -290,6 +300,8 @@ def test_smg_1_13_sends_no_api_key_to_a_grpc_worker(model: Path, tmp_path: Path)
             gateway(tmp_path / "smg.log", ours.port, extra=("--api-key", key), wait=False) as client:
         wait_until(lambda: ours.metric("nanovllm_request_failure_total", code="UNAUTHENTICATED") >= 1, 30,
                    "the gateway's calls refused for want of a key")
+        # It dials the worker before its HTTP port listens (a fresh-clone CI run met a refused connection).
+        wait_until(lambda: _listens(client.base_url.port), 30, "the gateway's HTTP port")
         with pytest.raises(openai.InternalServerError, match="No models available"):
             client.models.list()
         # Even its runtime probe, VllmEngine.HealthCheck (not grpc.health.v1, which needs no key), is refused:
