@@ -129,14 +129,17 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> 
 
 def fp8_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                context: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-    """e4m3 copies of paged K and V caches, their scales (paged_decode's k_scale, v_scale), and the
-    dequantized K and V of each sequence, [batch, context, kv_heads, head_dim], that SDPA should see."""
+    """e4m3 copies of paged K and V caches, their scales (paged_decode's k_scale, v_scale, laid out as the
+    worker allocates them), and the dequantized K and V of each sequence, [batch, context, kv_heads,
+    head_dim], that SDPA should see."""
     flat = tables.long().flatten()
+    num_blocks, block_size = k_cache.shape[:2]
     values, scales, seen = [], {}, []
     for name, cache in (("k", k_cache), ("v", v_cache)):
         cache_scales = head_scales(cache)
         values.append(quantize(cache, cache_scales))
-        scales[f"{name}_scale"] = cache_scales
+        scales[f"{name}_scale"] = allocate_scales(torch.empty, (num_blocks,), block_size, NUM_KV_HEADS,
+                                                  cache.device).copy_(cache_scales)
         per_seq = dequantize(values[-1], cache_scales).to(DTYPE)[flat]
         seen.append(per_seq.view(tables.shape[0], -1, NUM_KV_HEADS, HEAD_DIM)[:, :context])
     return values[0], values[1], scales, seen[0], seen[1]
@@ -204,11 +207,10 @@ def decode_rows(block_size: int, batch: int, context: int, device: torch.device,
 def random_length_rows(device: torch.device, num_seqs: int = 256, lengths: tuple[int, int] = (100, 2047),
                        block_size: int = 256, seed: int = 0, sweep: bool = False) -> list[Row]:
     """Decode at the reference workload's spread of contexts (num_seqs sequences of uniformly random
-    lengths): the bf16 cache (also through flash-attn where installed) and an fp8 cache (its scales laid
-    out as the worker allocates them), each kernel with its programs in batch order and longest first
-    (the order the worker passes). sweep: also the fp8 kernel's tile lengths, warps and stages. Bytes: each
-    sequence's own K and V (fp8: values and scales); the error is against SDPA with each sequence's padding
-    masked."""
+    lengths): the bf16 cache (also through flash-attn where installed) and an fp8 cache, each kernel with
+    its programs in batch order and longest first (the order the worker passes). sweep: also the fp8
+    kernel's tile lengths, warps and stages. Bytes: each sequence's own K and V (fp8: values and scales);
+    the error is against SDPA with each sequence's padding masked, computed once per cache."""
     generator = torch.Generator().manual_seed(seed)
     seq_lens_list = torch.randint(lengths[0], lengths[1] + 1, (num_seqs,), generator=generator)
     context = int(seq_lens_list.max())
@@ -224,27 +226,27 @@ def random_length_rows(device: torch.device, num_seqs: int = 256, lengths: tuple
     out = torch.empty_like(q)
     tokens = int(seq_lens_list.sum())
     fp8_k, fp8_v, scales, k_seen, v_seen = fp8_caches(k_cache, v_cache, tables, context)
-    scales = {name: allocate_scales(torch.empty, (fp8_k.shape[0],), block_size, NUM_KV_HEADS, device).copy_(value)
-              for name, value in scales.items()}
     starts = torch.arange(num_seqs + 1, dtype=torch.int32, device=device)  # one query token per sequence
-    fp8_configs = [("fp8", {})]
+    caches = {"bf16": (k_cache, v_cache, {}, k, v, 2 * HEAD_DIM * 2),
+              "fp8": (fp8_k, fp8_v, scales, k_seen, v_seen, 2 * (HEAD_DIM + 4))}
+    configs = {"bf16": [("bf16", {})], "fp8": [("fp8", {})]}
     if sweep:
-        fp8_configs += [(f"fp8-n{n}-w{w}-s{st}", {"block_n": n, "num_warps": w, "num_stages": st})
-                        for n in (32, 64, 128) for w in (1, 2, 4) for st in (2, 3, 4)]
-    cases = [("bf16", k_cache, v_cache, {}, k, v, 2 * HEAD_DIM * 2, {})]
-    cases += [(name, fp8_k, fp8_v, scales, k_seen, v_seen, 2 * (HEAD_DIM + 4), config) for name, config in fp8_configs]
+        configs["fp8"] += [(f"fp8-n{n}-w{w}-s{st}", {"block_n": n, "num_warps": w, "num_stages": st})
+                           for n in (32, 64, 128) for w in (1, 2, 4) for st in (2, 3, 4)]
     rows = []
-    for name, keys, values, scale_args, k_ref, v_ref, bytes_per_head, config in cases:
+    for kind, (keys, values, scale_args, k_ref, v_ref, bytes_per_head) in caches.items():
         reference = F.scaled_dot_product_attention(q[:, :, None], k_ref.transpose(1, 2), v_ref.transpose(1, 2),
                                                    attn_mask=mask, scale=SCALE, enable_gqa=True)[:, :, 0]
         runs = []
-        for label, program_order in (("", None), ("-lf", order)):
-            def run(keys=keys, values=values, scale_args=scale_args, config=config, program_order=program_order):
-                return paged_decode(q, keys, values, tables, seq_lens, SCALE, splits, workspace, out,
-                                    counters=counters, order=program_order, **scale_args, **config)
+        for name, config in configs[kind]:
+            for label, program_order in (("", None), ("-lf", order)):
+                def run(keys=keys, values=values, scale_args=scale_args, config=config,
+                        program_order=program_order) -> torch.Tensor:
+                    return paged_decode(q, keys, values, tables, seq_lens, SCALE, splits, workspace, out,
+                                        counters=counters, order=program_order, **scale_args, **config)
 
-            runs.append((f"rand-{name}{label}", run, splits))
-        flash = flash_or_none(q, keys, values, tables, seq_lens, starts, 1) if name == "bf16" else None
+                runs.append((f"rand-{name}{label}", run, splits))
+        flash = flash_or_none(q, keys, values, tables, seq_lens, starts, 1) if kind == "bf16" else None
         if flash is not None:
             runs.append(("rand-flash-bf16", flash, 1))
         for what, fn, split_label in runs:

@@ -72,8 +72,7 @@ def variants() -> list[Variant]:
     decode_strides = ("stride_q_tok", "stride_q_head", "stride_k_block", "stride_k_tok", "stride_k_head",
                       "stride_v_block", "stride_v_tok", "stride_v_head", "stride_o_tok", "stride_o_head",
                       "stride_po_seq", "stride_po_head")
-    pointers = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr", "order_ptr", "out_ptr",
-                "partial_out_ptr", "partial_lse_ptr", "counters_ptr", "k_scale_ptr", "v_scale_ptr")
+    pointers = tuple(name for name in _decode_kernel.arg_names if name.endswith("_ptr"))
     fp8_scales = {False: {}, True: {"stride_s_tok": 1}}
     result = [
         Variant(f"decode split={is_split} fp8={fp8}", _decode_kernel,

@@ -251,7 +251,8 @@ def test_decode_program_order_changes_no_bit(num_splits: int) -> None:
                        head_dim=HEAD_DIMS[-1], dtype=LOW, seed=num_splits)
     lengths = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     outputs = []
-    for order in (None, longest_first(np.array(seq_lens)), np.random.default_rng(num_splits).permutation(7)):
+    shuffled = np.random.default_rng(num_splits).permutation(len(seq_lens))
+    for order in (None, longest_first(np.array(seq_lens)), shuffled):
         out = torch.full_like(batch.q, float("nan"))
         paged_decode(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, lengths, 0.125, num_splits, out=out,
                      order=None if order is None else torch.tensor(order, dtype=torch.int32, device=DEVICE))
@@ -259,6 +260,21 @@ def test_decode_program_order_changes_no_bit(num_splits: int) -> None:
     assert_matches(outputs[0], reference(batch, 0.125), batch, f"decode splits={num_splits}")
     for out in outputs[1:]:
         assert torch.equal(out, outputs[0])
+
+
+def test_decode_programs_compute_the_sequences_their_order_names() -> None:
+    """The kernel reads the order (one split): program rows that all name sequence 1 compute it alone."""
+    seq_lens = [5, 40, 17]
+    batch = make_batch(seq_lens, [1] * 3, block_size=16, num_heads=4, num_kv_heads=2, head_dim=64, dtype=LOW,
+                       seed=3)
+    lengths = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    outputs = []
+    for order in (None, torch.ones(3, dtype=torch.int32, device=DEVICE)):
+        out = torch.full_like(batch.q, float("nan"))
+        paged_decode(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, lengths, 0.125, 1, out=out, order=order)
+        outputs.append(out)
+    assert torch.equal(outputs[1][1], outputs[0][1])
+    assert outputs[1][[0, 2]].isnan().all()
 
 
 def test_decode_order_must_be_a_batch_long_int32_tensor() -> None:
