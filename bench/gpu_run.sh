@@ -24,7 +24,8 @@
 #               (bench/moe_bench.py --sweep), the reference workload in-process with one stream's ITL
 #   moe-grpc    the same model behind `nanovllm worker` + `nanovllm scheduler`: one stream through gRPC
 # Logs go to $OUT (or ./out). Expects a CUDA machine with torch, triton, transformers; carried
-# wheels in .whl (grpcio 1.85, health checking, reflection) are installed first if present.
+# wheels in .whl (grpcio 1.85, health checking, reflection; for the gRPC modes also smg-grpc-proto,
+# prometheus-client and llguidance, which the scheduler imports) are installed first if present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
