@@ -205,12 +205,13 @@ def decode_rows(block_size: int, batch: int, context: int, device: torch.device,
 
 
 def random_length_rows(device: torch.device, num_seqs: int = 256, lengths: tuple[int, int] = (100, 2047),
-                       block_size: int = 256, seed: int = 0, sweep: bool = False) -> list[Row]:
+                       block_size: int = 256, seed: int = 0, sweep: bool = False) -> None:
     """Decode at the reference workload's spread of contexts (num_seqs sequences of uniformly random
     lengths): the bf16 cache (also through flash-attn where installed) and an fp8 cache, each kernel with
     its programs in batch order and longest first (the order the worker passes). sweep: also the fp8
-    kernel's tile lengths, warps and stages. Bytes: each sequence's own K and V (fp8: values and scales);
-    the error is against SDPA with each sequence's padding masked, computed once per cache."""
+    kernel's tile lengths, warps and stages. Prints each row as it is measured (a sweep is long). Bytes:
+    each sequence's own K and V (fp8: values and scales); the error is against SDPA with each sequence's
+    padding masked, computed once per cache."""
     generator = torch.Generator().manual_seed(seed)
     seq_lens_list = torch.randint(lengths[0], lengths[1] + 1, (num_seqs,), generator=generator)
     context = int(seq_lens_list.max())
@@ -233,7 +234,6 @@ def random_length_rows(device: torch.device, num_seqs: int = 256, lengths: tuple
     if sweep:
         configs["fp8"] += [(f"fp8-n{n}-w{w}-s{st}", {"block_n": n, "num_warps": w, "num_stages": st})
                            for n in (32, 64, 128) for w in (1, 2, 4) for st in (2, 3, 4)]
-    rows = []
     for kind, (keys, values, scale_args, k_ref, v_ref, bytes_per_head) in caches.items():
         reference = F.scaled_dot_product_attention(q[:, :, None], k_ref.transpose(1, 2), v_ref.transpose(1, 2),
                                                    attn_mask=mask, scale=SCALE, enable_gqa=True)[:, :, 0]
@@ -245,21 +245,21 @@ def random_length_rows(device: torch.device, num_seqs: int = 256, lengths: tuple
                     return paged_decode(q, keys, values, tables, seq_lens, SCALE, splits, workspace, out,
                                         counters=counters, order=program_order, **scale_args, **config)
 
-                runs.append((f"rand-{name}{label}", run, splits))
+                runs.append((f"rand-{name}{label}", run, splits, bool(config)))
         flash = flash_or_none(q, keys, values, tables, seq_lens, starts, 1) if kind == "bf16" else None
         if flash is not None:
-            runs.append(("rand-flash-bf16", flash, 1))
-        for what, fn, split_label in runs:
+            runs.append(("rand-flash-bf16", flash, 1, False))
+        for what, fn, split_label, swept in runs:
             try:
                 error = relative_error(fn(), reference)
                 ms = bench_ms(fn)
-            except Exception as failure:  # a configuration the compiler rejects: report it, go on
+            except Exception as failure:  # a swept configuration the compiler rejects: report it, go on
+                if not swept:
+                    raise
                 print(f"{what}: FAILED {failure!r:.200}", flush=True)
                 continue
-            rows.append(Row(what, block_size, num_seqs, context, split_label, ms * 1e3,
-                            tokens * NUM_KV_HEADS * bytes_per_head / ms / 1e6, "GB/s", error))
-            print(rows[-1].line(), flush=True)
-    return rows
+            print(Row(what, block_size, num_seqs, context, split_label, ms * 1e3,
+                      tokens * NUM_KV_HEADS * bytes_per_head / ms / 1e6, "GB/s", error).line(), flush=True)
 
 
 def prefill_rows(num_seqs: int, query_len: int, block_size: int, device: torch.device,
