@@ -30,6 +30,8 @@ def main() -> int:
     parser.add_argument("--num-decode-steps", type=int, default=4)
     parser.add_argument("--rows", type=int, default=40)
     parser.add_argument("--bins", type=int, default=20, help="slices of the run in the idle timeline")
+    parser.add_argument("--gap-rows", type=int, default=12,
+                        help="kernel boundaries listed by the idle time before them")
     parser.add_argument("--work-dir", default="/tmp/nanovllm-bench")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8")
     args = parser.parse_args()
@@ -58,6 +60,7 @@ def main() -> int:
         print(f"{total:>12.0f} {total / busy_us:>6.1%} {event.count:>8} {total / max(event.count, 1):>8.1f}  "
               f"{event.key[:110]}")
     print_idle_timeline(prof.events(), args.bins)
+    print_idle_by_boundary(prof.events(), args.gap_rows)
     return 0
 
 
@@ -108,6 +111,31 @@ def print_idle_timeline(events, num_bins: int) -> None:
     for index in range(num_bins):
         print(f"{(index * width) / 1e3:>10.0f} {idle[index] / 1e3:>9.1f} {idle[index] / width:>6.0%} "
               f"{kernels[index]:>8} {big_gaps[index]:>10}")
+
+
+def print_idle_by_boundary(events, num_rows: int) -> None:
+    """The GPU's idle time summed by the pair of kernels around each gap (the one that ended last, the one
+    that started next), largest first: which boundaries of a step leave the device waiting."""
+    from collections import defaultdict
+
+    from torch.autograd import DeviceType
+
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                     if e.device_type == DeviceType.CUDA)
+    idle: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    if not kernels:
+        return
+    reach, last_name = kernels[0][1], kernels[0][2]
+    for start, end, name in kernels[1:]:
+        if start > reach:
+            entry = idle[(last_name[:48], name[:48])]
+            entry[0] += start - reach
+            entry[1] += 1
+        if end >= reach:
+            reach, last_name = end, name
+    print(f"{'idle ms':>9} {'gaps':>7} {'us/gap':>7}  after -> before")
+    for (before, after), (total, count) in sorted(idle.items(), key=lambda item: -item[1][0])[:num_rows]:
+        print(f"{total / 1e3:>9.1f} {count:>7} {total / count:>7.1f}  {before} -> {after}")
 
 
 if __name__ == "__main__":
