@@ -133,7 +133,7 @@ def print_idle_by_boundary(events, num_rows: int) -> None:
             entry[1] += 1
         if end >= reach:
             reach, last_name = end, name
-    print(f"{'idle ms':>9} {'gaps':>7} {'us/gap':>7}  after -> before")
+    print(f"{'idle ms':>9} {'gaps':>7} {'us/gap':>7}  kernel before the gap -> kernel after it")
     for (before, after), (total, count) in sorted(idle.items(), key=lambda item: -item[1][0])[:num_rows]:
         print(f"{total / 1e3:>9.1f} {count:>7} {total / count:>7.1f}  {before} -> {after}")
 
