@@ -1,6 +1,7 @@
 """Where the GPU time of a generation goes: runs the reference workload (or a slice of it)
 in-process under torch.profiler and prints the wall time, the GPU's busy time (the sum of kernel
-times: one stream, so kernels do not overlap), and the kernels that take the most device time.
+times: one stream, so kernels do not overlap), the kernels that take the most device time, the GPU's
+idle time in slices of the run, and the kernel boundaries that leave it idle longest.
 
     python bench/profile_decode.py [--num-seqs 256] [--max-len 1024] [--num-decode-steps 4] [--kv-cache-dtype fp8]
 """
@@ -31,7 +32,7 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=40)
     parser.add_argument("--bins", type=int, default=20, help="slices of the run in the idle timeline")
     parser.add_argument("--gap-rows", type=int, default=12,
-                        help="kernel boundaries listed by the idle time before them")
+                        help="kernel boundaries listed, the most idle time first")
     parser.add_argument("--work-dir", default="/tmp/nanovllm-bench")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8")
     args = parser.parse_args()
@@ -87,9 +88,7 @@ def record_gc_pauses() -> GcPauses:
 def print_idle_timeline(events, num_bins: int) -> None:
     """The GPU's idle time in equal slices of the run (gaps between consecutive kernels), so
     that idle phases (host-bound steps) show where in the run they are."""
-    from torch.autograd import DeviceType
-
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+    spans = [(start, end) for start, end, _ in kernel_spans(events)]
     if not spans:
         return
     first, last = spans[0][0], max(end for _, end in spans)
@@ -113,15 +112,19 @@ def print_idle_timeline(events, num_bins: int) -> None:
               f"{kernels[index]:>8} {big_gaps[index]:>10}")
 
 
+def kernel_spans(events) -> list[tuple[float, float, str]]:
+    """(start, end, name) of the profiler's device events (kernels, copies), by start time (us)."""
+    from torch.autograd import DeviceType
+
+    return sorted((e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type == DeviceType.CUDA)
+
+
 def print_idle_by_boundary(events, num_rows: int) -> None:
     """The GPU's idle time summed by the pair of kernels around each gap (the one that ended last, the one
     that started next), largest first: which boundaries of a step leave the device waiting."""
     from collections import defaultdict
 
-    from torch.autograd import DeviceType
-
-    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
-                     if e.device_type == DeviceType.CUDA)
+    kernels = kernel_spans(events)
     idle: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
     if not kernels:
         return
