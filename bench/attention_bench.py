@@ -240,8 +240,9 @@ def random_length_rows(device: torch.device, num_seqs: int = 256, lengths: tuple
         configs["fp8"] += [(f"fp8-n{n}-w{w}-s{st}", {"block_n": n, "num_warps": w, "num_stages": st})
                            for n in (32, 64, 128) for w in (1, 2, 4) for st in (2, 3, 4)]
     for kind, (keys, values, scale_args, k_ref, v_ref, bytes_per_head) in caches.items():
-        reference = F.scaled_dot_product_attention(q[:, :, None], k_ref.transpose(1, 2), v_ref.transpose(1, 2),
-                                                   attn_mask=mask, scale=SCALE, enable_gqa=True)[:, :, 0]
+        reference = None if resident_blocks else F.scaled_dot_product_attention(
+            q[:, :, None], k_ref.transpose(1, 2), v_ref.transpose(1, 2), attn_mask=mask, scale=SCALE,
+            enable_gqa=True)[:, :, 0]
         runs = []
         for name, config in configs[kind]:
             for label, program_order in (("", None), ("-lf", order)):
@@ -257,7 +258,7 @@ def random_length_rows(device: torch.device, num_seqs: int = 256, lengths: tuple
             runs.append(("rand-flash-bf16", flash, 1, False))
         for what, fn, split_label, swept in runs:
             try:
-                error = relative_error(fn(), reference) if not resident_blocks else float("nan")
+                error = relative_error(fn(), reference) if reference is not None else float("nan")
                 ms = bench_ms(fn)
             except Exception as failure:  # a swept configuration the compiler rejects: report it, go on
                 if not swept:
@@ -385,6 +386,8 @@ def main() -> None:
                         help="with --random-lengths: every sequence's pages alias the first BLOCKS pages, which stay "
                              "in L2 (the kernel's cost when memory does not bound it)")
     args = parser.parse_args()
+    if args.resident < 0:
+        parser.error(f"--resident: must be >= 0 pages, got {args.resident}")
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
     device = torch.device("cuda")

@@ -11,6 +11,7 @@ import argparse
 import gc
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -60,8 +61,9 @@ def main() -> int:
         total = event.self_device_time_total
         print(f"{total:>12.0f} {total / busy_us:>6.1%} {event.count:>8} {total / max(event.count, 1):>8.1f}  "
               f"{event.key[:110]}")
-    print_idle_timeline(prof.events(), args.bins)
-    print_idle_by_boundary(prof.events(), args.gap_rows)
+    spans = kernel_spans(prof.events())
+    print_idle_timeline(spans, args.bins)
+    print_idle_by_boundary(spans, args.gap_rows)
     return 0
 
 
@@ -85,31 +87,41 @@ def record_gc_pauses() -> GcPauses:
     return pauses
 
 
-def print_idle_timeline(events, num_bins: int) -> None:
+def print_idle_timeline(spans: list[tuple[float, float, str]], num_bins: int) -> None:
     """The GPU's idle time in equal slices of the run (gaps between consecutive kernels), so
     that idle phases (host-bound steps) show where in the run they are."""
-    spans = [(start, end) for start, end, _ in kernel_spans(events)]
     if not spans:
         return
-    first, last = spans[0][0], max(end for _, end in spans)
+    first, last = spans[0][0], max(end for _, end, _ in spans)
     width = (last - first) / num_bins
     idle = [0.0] * num_bins
     kernels = [0] * num_bins
     big_gaps = [0] * num_bins
-    reach = spans[0][1]
-    for start, end in spans[1:]:
+    for start, gap, _, _ in idle_gaps(spans):
         slot = min(int((start - first) / width), num_bins - 1)
         kernels[slot] += 1
-        if start > reach:
-            idle[slot] += start - reach
-            big_gaps[slot] += start - reach > 100
-        reach = max(reach, end)
+        idle[slot] += gap
+        big_gaps[slot] += gap > 100
     total_idle = sum(idle)
     print(f"GPU idle between kernels: {total_idle / 1e6:.3f} s of {(last - first) / 1e6:.3f} s")
     print(f"{'slice ms':>10} {'idle ms':>9} {'idle':>6} {'kernels':>8} {'gaps>100us':>10}")
     for index in range(num_bins):
         print(f"{(index * width) / 1e3:>10.0f} {idle[index] / 1e3:>9.1f} {idle[index] / width:>6.0%} "
               f"{kernels[index]:>8} {big_gaps[index]:>10}")
+
+
+def print_idle_by_boundary(spans: list[tuple[float, float, str]], num_rows: int) -> None:
+    """The GPU's idle time summed by the pair of kernels around each gap (the one that ended last, the one
+    that started next), largest first: which boundaries of a step leave the device waiting."""
+    idle: dict[tuple[str, str], list[float]] = {}
+    for _, gap, before, after in idle_gaps(spans):
+        if gap > 0:
+            entry = idle.setdefault((before[:48], after[:48]), [0.0, 0])
+            entry[0] += gap
+            entry[1] += 1
+    print(f"{'idle ms':>9} {'gaps':>7} {'us/gap':>7}  kernel before the gap -> kernel after it")
+    for (before, after), (total, count) in sorted(idle.items(), key=lambda item: -item[1][0])[:num_rows]:
+        print(f"{total / 1e3:>9.1f} {count:>7} {total / count:>7.1f}  {before} -> {after}")
 
 
 def kernel_spans(events) -> list[tuple[float, float, str]]:
@@ -119,26 +131,17 @@ def kernel_spans(events) -> list[tuple[float, float, str]]:
     return sorted((e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type == DeviceType.CUDA)
 
 
-def print_idle_by_boundary(events, num_rows: int) -> None:
-    """The GPU's idle time summed by the pair of kernels around each gap (the one that ended last, the one
-    that started next), largest first: which boundaries of a step leave the device waiting."""
-    from collections import defaultdict
-
-    kernels = kernel_spans(events)
-    idle: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
-    if not kernels:
+def idle_gaps(spans: list[tuple[float, float, str]]) -> Iterator[tuple[float, float, str, str]]:
+    """For every span after the first (kernel_spans): its start, the idle time before it (0 when an
+    earlier span still runs: overlapping kernels are one busy stretch), the name of the span that ended
+    last before it, and its own name."""
+    if not spans:
         return
-    reach, last_name = kernels[0][1], kernels[0][2]
-    for start, end, name in kernels[1:]:
-        if start > reach:
-            entry = idle[(last_name[:48], name[:48])]
-            entry[0] += start - reach
-            entry[1] += 1
+    reach, last_name = spans[0][1], spans[0][2]
+    for start, end, name in spans[1:]:
+        yield start, max(0.0, start - reach), last_name, name
         if end >= reach:
             reach, last_name = end, name
-    print(f"{'idle ms':>9} {'gaps':>7} {'us/gap':>7}  kernel before the gap -> kernel after it")
-    for (before, after), (total, count) in sorted(idle.items(), key=lambda item: -item[1][0])[:num_rows]:
-        print(f"{total / 1e3:>9.1f} {count:>7} {total / count:>7.1f}  {before} -> {after}")
 
 
 if __name__ == "__main__":
