@@ -145,6 +145,9 @@ def run_serve(config: WorkerConfig, scheduler: SchedulerConfig, public: PublicSe
                                      tokenizer or config.model)
     logger.info("starting a worker for %s on 127.0.0.1:%d", config.model, port)
     # Its own session: a terminal's Ctrl-C (SIGINT to the foreground process group) reaches serve only.
+    # preexec_fn forks (no vfork): safe only while this process runs no gRPC yet, as here, before the
+    # scheduler starts (with channels or servers running, grpcio >= 1.81 can kill the child before exec,
+    # grpc/grpc#43055).
     worker = subprocess.Popen(worker_command(config, observability, port), stderr=subprocess.PIPE, text=True,
                               errors="replace", env=worker_environment(os.environ, link.secret),
                               start_new_session=True, preexec_fn=_worker_dies_with_serve)

@@ -19,6 +19,7 @@ from scheduler_service.api.tokenizer import eos_token_ids, load_tokenizer
 from scheduler_service.lanes.async_engine import AsyncEngine
 from scheduler_service.lanes.worker_client import GrpcWorkerClient
 from scheduler_service.observe.metrics import ServiceMetrics
+from tests.child_setup import with_open_file_limit
 from tests.loop_thread import LoopThread, PublicServerThread
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -42,10 +43,13 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None
         time.sleep(0.02)
 
 
-def cli(*args: str, **popen) -> subprocess.Popen:
+def cli(*args: str, soft_open_file_limit: int | None = None, **popen) -> subprocess.Popen:
+    """A `nanovllm` command as a process, started with this soft open-file limit if one is given."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", SECRET_ENV: WORKER_SECRET}
-    return subprocess.Popen([sys.executable, "-m", "launch.cli", "--log-level", "WARNING", *args], cwd=REPO_ROOT,
-                            env=env, **popen)
+    command = [sys.executable, "-m", "launch.cli", "--log-level", "WARNING", *args]
+    if soft_open_file_limit is not None:
+        command = with_open_file_limit(command, soft_open_file_limit)
+    return subprocess.Popen(command, cwd=REPO_ROOT, env=env, **popen)
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -22,14 +22,8 @@ from tests.services_harness import cli, free_port, start_worker, stop, wait_unti
 from tests.tiny_models import make_tiny_checkpoint, save_tiny_bpe_tokenizer
 
 NUM_IDLE = 5_000
-USUAL_SOFT_LIMIT = 1_024
+USUAL_SOFT_LIMIT = 1_024  # the soft limit most shells start with
 CALL_BOUND_S = 10.0
-
-
-def usual_open_file_limit() -> None:
-    """In the child before exec: the soft open-file limit most shells start with."""
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (min(USUAL_SOFT_LIMIT, hard), hard))
 
 
 @dataclass
@@ -51,9 +45,9 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
     model = make_tiny_checkpoint(tmp_path_factory.mktemp("model"), "qwen3")
     save_tiny_bpe_tokenizer(model)
     ports = {"worker": free_port(), "public": free_port(), "metrics": free_port()}
-    worker = start_worker(model, ports["worker"], preexec_fn=usual_open_file_limit)
+    worker = start_worker(model, ports["worker"], soft_open_file_limit=USUAL_SOFT_LIMIT)
     scheduler = cli("scheduler", "--worker", f"127.0.0.1:{ports['worker']}", "--port", str(ports["public"]),
-                    "--metrics-port", str(ports["metrics"]), preexec_fn=usual_open_file_limit)
+                    "--metrics-port", str(ports["metrics"]), soft_open_file_limit=USUAL_SOFT_LIMIT)
     try:
         with GenerationClient(f"127.0.0.1:{ports['public']}", timeout=60) as client:
             client.wait_ready(timeout=120)

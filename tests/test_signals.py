@@ -5,12 +5,10 @@ not see it: the stream in flight finishes with all its tokens and status OK, and
 worker. A second Ctrl-C during the drain stops at once: non-zero exit, one line saying so."""
 from __future__ import annotations
 
-import fcntl
 import os
 import socket
 import subprocess
 import sys
-import termios
 import threading
 import time
 from pathlib import Path
@@ -19,6 +17,7 @@ import grpc
 import pytest
 
 from common.client import GenerationClient
+from tests.child_setup import with_controlling_terminal
 from tests.services_harness import REPO_ROOT, free_port, run_cli, wait_until
 from tests.tiny_models import make_tiny_checkpoint, save_tiny_bpe_tokenizer
 
@@ -34,20 +33,16 @@ def slow_model(tmp_path_factory) -> Path:
     return path
 
 
-def _controlling_terminal() -> None:
-    """In the child, after setsid (start_new_session): stdin, the pty's slave, becomes its terminal."""
-    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-
-
 class Terminal:
     """`nanovllm serve` in a pseudo-terminal; its output collected line by line."""
 
     def __init__(self, *args: str) -> None:
         master, slave = os.openpty()
         self.master = master
+        # Its own session, whose controlling terminal is stdin, the pty's slave.
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "launch.cli", "--log-level", "INFO", *args], cwd=REPO_ROOT,
-            stdin=slave, stdout=slave, stderr=slave, start_new_session=True, preexec_fn=_controlling_terminal,
+            with_controlling_terminal([sys.executable, "-m", "launch.cli", "--log-level", "INFO", *args]),
+            cwd=REPO_ROOT, stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
         os.close(slave)
         self._output = bytearray()

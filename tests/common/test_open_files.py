@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from common.net.open_files import LOW_OPEN_FILE_LIMIT
+from tests.child_setup import with_open_file_limit
 from tests.services_harness import REPO_ROOT
 
 REPORT = ("import logging, resource; logging.basicConfig(level='WARNING', format='%(levelname)s %(message)s'); "
@@ -19,11 +20,8 @@ REPORT = ("import logging, resource; logging.basicConfig(level='WARNING', format
 def raised_from(soft: int, hard: int) -> subprocess.CompletedProcess:
     """raise_open_file_limit() in a fresh process started with these limits (lowering them needs no
     privilege): its return value and the limits after, on stdout."""
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
-    return subprocess.run([sys.executable, "-c", REPORT], capture_output=True, text=True, cwd=REPO_ROOT,
-                          preexec_fn=limit, timeout=60, check=True)
+    return subprocess.run(with_open_file_limit([sys.executable, "-c", REPORT], soft, hard), capture_output=True,
+                          text=True, cwd=REPO_ROOT, timeout=60, check=True)
 
 
 def test_the_soft_limit_is_raised_to_the_hard_one() -> None:
