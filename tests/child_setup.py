@@ -1,5 +1,6 @@
 """Set-up a test's child process needs before it runs its command, done by a fresh interpreter that
-then execs the command (same pid), never by `subprocess`'s preexec_fn.
+then execs the command (same pid; its program looked up on PATH as a shell would), never by
+`subprocess`'s preexec_fn.
 
 preexec_fn makes Python fork() rather than vfork()/posix_spawn(): the child then runs the fork
 handlers of every library loaded in the test process, and gRPC's (grpcio >= 1.81, grpc/grpc#43055)
@@ -11,7 +12,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-_SET_UP_THEN_EXEC = "import os, sys\n{set_up}\nos.execv(sys.argv[1], sys.argv[1:])"
+_SET_UP_THEN_EXEC = "import os, sys\n{set_up}\nos.execvp(sys.argv[1], sys.argv[1:])"
 
 
 def _prefixed(set_up: str, command: Sequence[str]) -> list[str]:
