@@ -11,6 +11,12 @@ through enough copies of the weight to span three times the L2 cache, so the wei
 in a real forward pass, where each layer's weights are read once. Bandwidth is the weight's bytes
 (N * K * 2) over the time. Every skinny result is first checked against F.linear in float32.
 
+--blas-libraries cublas,cublaslt times only F.linear, once per library torch is told to prefer
+(torch.backends.cuda.preferred_blas_library), at any number of rows (the skinny kernel takes at most 16):
+
+    python bench/skinny_matmul_bench.py --blas-libraries cublas,cublaslt --rows 1,16,64,128,256 \
+        --shapes 4096x1024,1024x2048,6144x1024,1024x3072
+
 --sweep compiles every candidate in parallel processes first (Triton's disk cache then serves the
 timed runs), then prints, per shape and number of rows, the fastest configs beside _config's choice.
 """
@@ -121,6 +127,23 @@ def table(shapes: list[tuple[int, int]], rows: list[int]) -> None:
               f"skinny {skinny_us:.1f} us")
 
 
+def blas_table(shapes: list[tuple[int, int]], rows: list[int], libraries: list[str]) -> None:
+    """F.linear per call under each BLAS library, and the sum over the shapes per number of rows."""
+    for library in libraries:
+        torch.backends.cuda.preferred_blas_library(library)
+        total = dict.fromkeys(rows, 0.0)
+        for n, k in shapes:
+            weights = weight_copies(n, k)
+            for m in rows:
+                time_us = time_graph_us(F.linear, torch.randn(m, k, device="cuda", dtype=DTYPE), weights)
+                total[m] += time_us
+                print(f"{library:9} N={n:>5} K={k:>4} M={m:>3}: {time_us:6.2f} us {gbs(n, k, time_us):6.0f} GB/s",
+                      flush=True)
+            del weights
+        for m, time_us in total.items():
+            print(f"{library:9} M={m:>3}: the shapes together {time_us:6.2f} us")
+
+
 def candidates(m: int, n: int, k: int) -> list[SkinnyConfig]:
     """The sweep's grid: CUDA-core tiles of 1K..16K weight elements at 4 and 8 warps, unpipelined and
     3 deep; tensor-core tiles whose pipeline stages fit in shared memory."""
@@ -206,10 +229,14 @@ def main() -> None:
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="rows of x (M), comma-separated")
     parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="NxK, comma-separated")
     parser.add_argument("--top", type=int, default=3, help="configs shown per shape in the sweep")
+    parser.add_argument("--blas-libraries", help="only F.linear, under each of these (comma-separated)")
     args = parser.parse_args()
     rows = [int(m) for m in args.rows.split(",")]
     shapes = [tuple(int(side) for side in shape.split("x")) for shape in args.shapes.split(",")]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, {DTYPE}")
+    if args.blas_libraries:
+        blas_table(shapes, rows, args.blas_libraries.split(","))
+        return
     table(shapes, rows)
     if args.sweep:
         sweep(shapes, rows, args.top)

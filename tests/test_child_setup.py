@@ -10,9 +10,10 @@ import sys
 
 from tests.child_setup import with_open_file_limit
 from tests.services_harness import REPO_ROOT
+from tests.test_import_graph import PACKAGES
 
 REPORT = "import os, resource; print(os.getpid(), *resource.getrlimit(resource.RLIMIT_NOFILE))"
-FOLDERS = ("bench", "common", "launch", "offline", "scheduler_service", "tests", "worker_service")
+FOLDERS = (*PACKAGES, "bench", "tests")
 MAY_FORK = {"launch/serve.py"}  # the worker starts before serve runs any gRPC (a comment there says so)
 
 
