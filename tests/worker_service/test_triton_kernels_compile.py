@@ -37,6 +37,8 @@ def test_every_kernel_compiles_for_sm90(tmp_path: Path) -> None:
         assert waits == expected, f"{variant.name}: {waits} griddepcontrol.wait"
         if variant.name.startswith("decode"):
             check_decode_resources(variant.name, lines[variant.name])
+        if variant.name.startswith("skinny") and variant.constexprs["ONE_PASS"]:
+            check_weight_tile_loads(variant, lines[variant.name])
         if "IS_SPLIT" in variant.constexprs:  # the split decode's last program merges (attention/triton_decode):
             # one counter increment that releases its partials and acquires the other programs'
             assert atomics == int(variant.constexprs["IS_SPLIT"]), f"{variant.name}: {atomics} atomics"
@@ -52,3 +54,12 @@ def check_decode_resources(name: str, line: str) -> None:
     wide, copies = (int(number) for number in re.search(r"(\d+) of (\d+) async copies 16 bytes", line).groups())
     assert copies > 0 and wide == copies, f"{name}: {wide} of {copies} async copies are 16 bytes"
     assert PROGRAMS_PER_SM * (shared + 1024) <= 228 * 1024, f"{name}: {shared} bytes of shared memory a program"
+
+
+def check_weight_tile_loads(variant: object, line: str) -> None:
+    """A one-pass skinny product loads its whole weight tile before it waits for the previous kernel:
+    in 16-byte loads (8 bf16 a load), which the launch's 16-byte alignment lets Triton make."""
+    wide = int(re.search(r"(\d+) 16-byte loads", line).group(1))
+    threads = 32 * variant.options["num_warps"]
+    tile_bytes = 2 * variant.constexprs["BLOCK_N"] * variant.constexprs["BLOCK_K"]
+    assert wide * 16 * threads >= tile_bytes, f"{variant.name}: {wide} 16-byte loads a thread"
