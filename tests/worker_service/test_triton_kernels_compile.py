@@ -13,6 +13,8 @@ import pytest
 
 pytest.importorskip("triton")
 
+from tests.worker_service.kernel_compilation import Variant  # noqa: E402
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -56,7 +58,7 @@ def check_decode_resources(name: str, line: str) -> None:
     assert PROGRAMS_PER_SM * (shared + 1024) <= 228 * 1024, f"{name}: {shared} bytes of shared memory a program"
 
 
-def check_weight_tile_loads(variant: object, line: str) -> None:
+def check_weight_tile_loads(variant: Variant, line: str) -> None:
     """A one-pass skinny product loads its whole weight tile before it waits for the previous kernel:
     in 16-byte loads (8 bf16 a load), which the launch's 16-byte alignment lets Triton make."""
     wide = int(re.search(r"(\d+) 16-byte loads", line).group(1))
