@@ -10,7 +10,8 @@ heads, head_dim 128, bf16), against torch SDPA on contiguous tensors holding the
 
 Decode: batch sizes 1, 8, 64, 256 x contexts 512, 1024, 4096 (every sequence at that context),
 block sizes 256 and 16; reports the achieved K+V read bandwidth (bytes of K and V read / median time)
-and its fraction of the 4.3 TB/s that a device-to-device copy reaches on an H200. Prefill: 256
+and its fraction of the 4.3 TB/s that a device-to-device copy reaches on an H200 (the first line gives
+the copy bandwidth of the device it runs on, the measure of issue 31's kernel criterion). Prefill: 256
 sequences of 1024 new tokens each, causal, in TFLOP/s. Times are triton.testing.do_bench medians
 (it flushes the L2 before each run, so the K/V really come from HBM). Each Triton result is first
 checked against SDPA's output, so a broken kernel cannot post a number. With --kv-cache-dtype fp8 the
@@ -36,6 +37,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.throughput import measure_copy_bandwidth  # noqa: E402
 from worker_service.attention.base import longest_first  # noqa: E402
 from worker_service.attention.flash_attn_backend import as_pages, load_varlen_attention, page_tables  # noqa: E402
 from worker_service.attention.kv_quant import allocate_scales, dequantize, head_scales, quantize  # noqa: E402
@@ -392,7 +394,11 @@ def main() -> None:
         sys.exit("needs a CUDA device")
     device = torch.device("cuda")
     torch.manual_seed(0)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    copy = measure_copy_bandwidth()
+    torch.cuda.empty_cache()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; this device "
+          f"copies at {copy / 1e12:.2f} TB/s (read + write; the % column is of an H200's "
+          f"{COPY_BANDWIDTH_GBS / 1e3:.1f})", flush=True)
     if args.decode_sweep:
         for shape in args.decode_sweep:
             batch, context = (int(part) for part in shape.split(":"))
