@@ -10,8 +10,8 @@ heads, head_dim 128, bf16), against torch SDPA on contiguous tensors holding the
 
 Decode: batch sizes 1, 8, 64, 256 x contexts 512, 1024, 4096 (every sequence at that context),
 block sizes 256 and 16; reports the achieved K+V read bandwidth (bytes of K and V read / median time)
-and its fraction of the 4.3 TB/s that a device-to-device copy reaches on an H200 (the first line gives
-the copy bandwidth of the device it runs on, the measure of issue 31's kernel criterion). Prefill: 256
+and its fraction of the device-to-device copy bandwidth of the device it runs on, measured first
+(bench/throughput.measure_copy_bandwidth: 4.3 TB/s on an H200; issue 31's kernel criterion). Prefill: 256
 sequences of 1024 new tokens each, causal, in TFLOP/s. Times are triton.testing.do_bench medians
 (it flushes the L2 before each run, so the K/V really come from HBM). Each Triton result is first
 checked against SDPA's output, so a broken kernel cannot post a number. With --kv-cache-dtype fp8 the
@@ -54,7 +54,6 @@ from worker_service.attention.triton_prefill import paged_prefill  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
 DTYPE = torch.bfloat16
-COPY_BANDWIDTH_GBS = 4300.0  # measured device-to-device copy on an H200 (read + write)
 SCALE = HEAD_DIM ** -0.5
 
 
@@ -70,14 +69,15 @@ class Row:
     unit: str
     error: float  # ‖triton − sdpa‖ / ‖sdpa‖ (nan for the SDPA rows)
 
-    def line(self) -> str:
-        share = f"{self.rate / COPY_BANDWIDTH_GBS:6.1%}" if self.unit == "GB/s" else "      "
+    def line(self, copy_gbs: float | None = None) -> str:
+        """The row under HEADER; a decode row's rate also as a share of copy_gbs (the device's copy, GB/s)."""
+        share = f"{self.rate / copy_gbs:7.1%}" if self.unit == "GB/s" and copy_gbs else " " * 7
         return (f"{self.what:<14} {self.block_size!s:>5} {self.batch:>5} {self.context:>6} {self.splits!s:>6} "
                 f"{self.time_us:>10.1f} {self.rate:>9.1f} {self.unit:<7} {share} {self.error:>9.1e}")
 
 
 HEADER = (f"{'kernel':<14} {'block':>5} {'batch':>5} {'ctx':>6} {'splits':>6} {'time_us':>10} {'rate':>9} "
-          f"{'unit':<7} {'of 4.3TB/s':>6} {'rel_err':>9}")
+          f"{'unit':<7} {'of copy':>7} {'rel_err':>9}")
 
 
 def bench_ms(fn: Callable[[], object]) -> float:
@@ -207,7 +207,8 @@ def decode_rows(block_size: int, batch: int, context: int, device: torch.device,
 
 
 def random_length_rows(device: torch.device, num_seqs: int = 256, lengths: tuple[int, int] = (100, 2047),
-                       block_size: int = 256, seed: int = 0, sweep: bool = False, resident_blocks: int = 0) -> None:
+                       block_size: int = 256, seed: int = 0, sweep: bool = False, resident_blocks: int = 0,
+                       copy_gbs: float | None = None) -> None:
     """Decode at the reference workload's spread of contexts (num_seqs sequences of uniformly random
     lengths): the bf16 cache (also through flash-attn where installed) and an fp8 cache, each kernel with
     its programs in batch order and longest first (the order the worker passes). sweep: also the fp8
@@ -216,7 +217,8 @@ def random_length_rows(device: torch.device, num_seqs: int = 256, lengths: tuple
     padding masked, computed once per cache. resident_blocks > 0: every sequence's blocks alias the first
     resident_blocks pages (the same bytes per sequence, now in L2): what the kernel costs when memory is
     not what bounds it, e.g. 16 pages (16 MB of bf16 K/V) on an H100 stand in for a faster memory; the
-    outputs then differ from the reference (rel_err nan)."""
+    outputs then differ from the reference (rel_err nan). copy_gbs: the device's copy bandwidth (GB/s) that
+    each row's rate is also given as a share of."""
     generator = torch.Generator().manual_seed(seed)
     seq_lens_list = torch.randint(lengths[0], lengths[1] + 1, (num_seqs,), generator=generator)
     context = int(seq_lens_list.max())
@@ -268,7 +270,7 @@ def random_length_rows(device: torch.device, num_seqs: int = 256, lengths: tuple
                 print(f"{what}: FAILED {failure!r:.200}", flush=True)
                 continue
             print(Row(what, block_size, num_seqs, context, split_label, ms * 1e3,
-                      tokens * NUM_KV_HEADS * bytes_per_head / ms / 1e6, "GB/s", error).line(), flush=True)
+                      tokens * NUM_KV_HEADS * bytes_per_head / ms / 1e6, "GB/s", error).line(copy_gbs), flush=True)
 
 
 def prefill_rows(num_seqs: int, query_len: int, block_size: int, device: torch.device,
@@ -394,11 +396,10 @@ def main() -> None:
         sys.exit("needs a CUDA device")
     device = torch.device("cuda")
     torch.manual_seed(0)
-    copy = measure_copy_bandwidth()
+    copy_gbs = measure_copy_bandwidth() / 1e9
     torch.cuda.empty_cache()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; this device "
-          f"copies at {copy / 1e12:.2f} TB/s (read + write; the % column is of an H200's "
-          f"{COPY_BANDWIDTH_GBS / 1e3:.1f})", flush=True)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; device copy "
+          f"{copy_gbs / 1e3:.2f} TB/s (read + write)", flush=True)
     if args.decode_sweep:
         for shape in args.decode_sweep:
             batch, context = (int(part) for part in shape.split(":"))
@@ -409,11 +410,12 @@ def main() -> None:
         for shape in args.decode_shapes:
             batch, context = (int(part) for part in shape.split(":"))
             for row in decode_rows(256, batch, context, device, args.kv_cache_dtype == "fp8"):
-                print(row.line(), flush=True)
+                print(row.line(copy_gbs), flush=True)
         return
     if args.random_lengths is not None:
         for num_seqs in args.random_lengths or [256]:
-            random_length_rows(device, num_seqs, sweep=args.sweep, resident_blocks=args.resident)
+            random_length_rows(device, num_seqs, sweep=args.sweep, resident_blocks=args.resident,
+                               copy_gbs=copy_gbs)
         return
     rows: list[Row] = []
     for block_size in (256, 16):
@@ -421,18 +423,18 @@ def main() -> None:
             for context in (512, 1024, 4096):
                 for row in decode_rows(block_size, batch, context, device, args.kv_cache_dtype == "fp8"):
                     rows.append(row)
-                    print(row.line(), flush=True)
+                    print(row.line(copy_gbs), flush=True)
                 torch.cuda.empty_cache()
     for block_size in () if args.decode_only else (256, 16):
         for row in prefill_rows(256, 1024, block_size, device):
             rows.append(row)
-            print(row.line(), flush=True)
+            print(row.line(copy_gbs), flush=True)
     sweep_lines = sweep(device) if args.sweep else []
     bad = [row for row in rows if not math.isnan(row.error) and not row.error < 2e-2]
     print("\n== summary (K+V bytes / median time for decode; causal FLOPs / median time for prefill) ==")
     print(HEADER)
     for row in rows:
-        print(row.line())
+        print(row.line(copy_gbs))
     if sweep_lines:
         print(f"== sweep: {len(sweep_lines)} configurations above; defaults marked by the summary rows ==")
     if bad:

@@ -7,6 +7,7 @@ Run it with TRITON_INTERPRET unset: under the interpreter the kernels are not co
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 SM90 = ("cuda", 90, 32)
@@ -205,8 +206,6 @@ def invariant_product_variants() -> list[Variant]:
 
 def compile_all() -> list[str]:
     """Compiles every variant for sm_90; returns one line per variant (raises on the first error)."""
-    import re
-
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

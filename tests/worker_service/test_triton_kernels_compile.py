@@ -59,8 +59,9 @@ def check_decode_resources(name: str, line: str) -> None:
 
 
 def check_weight_tile_loads(variant: Variant, line: str) -> None:
-    """A one-pass skinny product loads its whole weight tile before it waits for the previous kernel:
-    in 16-byte loads (8 bf16 a load), which the launch's 16-byte alignment lets Triton make."""
+    """A one-pass skinny product loads its whole weight tile before it waits for the previous kernel, in
+    16-byte loads (8 bf16 a load) where the launch's 16-byte alignment lets Triton make them: a thread's
+    16-byte loads (of the tile and of x) cover at least its share of the tile (unaligned: none)."""
     wide = int(re.search(r"(\d+) 16-byte loads", line).group(1))
     threads = 32 * variant.options["num_warps"]
     tile_bytes = 2 * variant.constexprs["BLOCK_N"] * variant.constexprs["BLOCK_K"]
