@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from bench.profile_decode import add_workload_arguments, warmed_up_workload  # noqa: E402
 from worker_service.models.llama import LlamaForCausalLM  # noqa: E402
 from worker_service.runtime.model_runner import ModelRunner  # noqa: E402
 from worker_service.runtime.worker import WorkerCore  # noqa: E402
@@ -78,24 +79,9 @@ def print_table(times: dict[str, list[float]], wall_s: float) -> None:
 
 
 def main() -> int:
-    from bench.random_checkpoint import make_random_checkpoint
-    from bench.workload import bench_workload
-    from common import SamplingParams
-    from offline import LLM
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-seqs", type=int, default=256)
-    parser.add_argument("--max-len", type=int, default=1024)
-    parser.add_argument("--num-decode-steps", type=int, default=4)
-    parser.add_argument("--work-dir", default="/tmp/nanovllm-bench")
-    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8")
-    args = parser.parse_args()
-    model = make_random_checkpoint(Path(args.work_dir) / "random-qwen3-0.6b")
-    llm = LLM(str(model), max_model_len=4096, num_decode_steps=args.num_decode_steps,
-              kv_cache_dtype=args.kv_cache_dtype)
-    prompts, max_tokens = bench_workload(args.num_seqs, args.max_len, args.max_len)
-    params = [SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True) for m in max_tokens]
-    llm.generate(prompts[:8], params[:8], use_tqdm=False)
+    add_workload_arguments(parser)
+    llm, prompts, params = warmed_up_workload(parser.parse_args())
     with timed_methods(TIMED) as times:
         started = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)

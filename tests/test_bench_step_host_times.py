@@ -36,7 +36,6 @@ def test_each_launch_and_its_parts_are_timed_then_the_methods_come_back(llm: LLM
                      if request.new_sequences or request.running_sequences)
     assert len(times["  forward passes"]) == len(times["  output head"]) == len(times["  sampling"]) == iterations
     assert times["read-back wait for the GPU"] == []  # on the CPU the read-back has no event to wait for
-    assert all(duration >= 0 for durations in times.values() for duration in durations)
     assert [owner.__dict__[name] for _, owner, name in TIMED] == originals
 
 
