@@ -28,7 +28,7 @@ skip_module_unless_kernels_run()
 
 from worker_service.attention import get_attention_backend  # noqa: E402
 from worker_service.attention.base import AttentionMetadata  # noqa: E402
-from worker_service.attention.triton_rope_store import rope_and_store  # noqa: E402
+from worker_service.attention.triton_rope_store import SPLIT_MAX_TOKENS, rope_and_store  # noqa: E402
 from worker_service.layers import RMSNorm, RotaryEmbedding, norm, rotary  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -36,7 +36,9 @@ pytestmark = pytest.mark.gpu
 LOW = torch.float16 if INTERPRET else torch.bfloat16  # the serving dtype (bf16 on the GPU)
 DTYPES = [LOW, torch.float32]
 HEAD_DIMS = [32, 64] if INTERPRET else [64, 128]
-GROUPS = [1, 2, 4]  # query heads per KV head
+# Query heads per KV head; with NUM_KV_HEADS, 6 and 8 give a token more q heads than one program takes
+# (Q_HEADS_PER_PROGRAM): two programs, the second partly masked at 12 heads.
+GROUPS = [1, 2, 4, 6, 8]
 NUM_KV_HEADS = 2
 BLOCK_SIZES = [16, 256]
 EPS = 1e-6
@@ -151,18 +153,22 @@ def assert_within_one_rounding(out: torch.Tensor, ref: torch.Tensor, what: str) 
 # ---------------------------------------------------------------------------------------------- kernel
 
 
+# Past SPLIT_MAX_TOKENS a token's work is one program (unless the cache is fp8); at or below it, several.
+NUM_TOKENS = [small(300, 24), SPLIT_MAX_TOKENS - 3]
+
+
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("with_norm", [False, True], ids=["plain", "qk_norm"])
 @pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_matches_eager_composition(dtype: torch.dtype, head_dim: int, group: int, with_norm: bool,
-                                   block_size: int) -> None:
-    num_tokens = small(300, 24)
+                                   block_size: int, num_tokens: int) -> None:
     case = make_case(num_tokens, NUM_KV_HEADS * group, NUM_KV_HEADS, head_dim, dtype, block_size=block_size,
                      with_norm=with_norm, on_grid=with_norm, seed=head_dim * 100 + group * 10 + block_size % 7,
                      max_positions=small(4096, 300))
-    what = f"{dtype} d={head_dim} group={group} norm={with_norm} bs={block_size}"
+    what = f"{dtype} d={head_dim} group={group} norm={with_norm} bs={block_size} tokens={num_tokens}"
     out = run_fused(case)
     ref_q, ref_k = eager(case)
     assert out.is_contiguous() and out.dtype == dtype

@@ -2,10 +2,12 @@
 q/k RMSNorm (Qwen3), rotary on q and k, and the store of k and v into the paged KV cache.
 
 Eagerly this is five small kernels per layer (two norms, two rotaries, store_kv), which in a decode
-step cost launches and latency rather than bandwidth. One program per token reads its q, k and v
-heads straight from the qkv projection output (strided views), writes the rotated q to a new
-contiguous tensor, and the rotated k and plain v at the token's cache slot (a negative slot marks a
-padding token: q is still written, K/V are not).
+step cost launches and latency rather than bandwidth. A token's q heads are read straight from the
+qkv projection output (a strided view) and written rotated to a new contiguous tensor, its rotated k
+and plain v at its cache slot (a negative slot marks a padding token: q is still written, K/V are
+not). One program does all of a token's work, or, for an fp8 cache and for a few tokens, a few
+programs side by side (groups of q heads, and k and v): shorter chains of dependent loads and stores,
+which is what the quantization and a lone token wait on.
 
 The float math follows the eager composition (`norm.rms_norm`, then `rotary.apply_rotary`, then
 store_kv) operation by operation and rounding by rounding, and the launch disables FMA contraction
@@ -34,6 +36,13 @@ from worker_service.layers.triton_pdl import pdl_options, wait_for_previous_kern
 # Heads one program handles per step of its head loop: bounds the registers of the [heads, head_dim]
 # tiles (16 heads of 128 at a time) for models with many heads.
 _MAX_TILE_ELEMENTS = 2048
+# Where a token's work is split (an fp8 cache, or at most SPLIT_MAX_TOKENS tokens), its q heads go to
+# programs of Q_HEADS_PER_PROGRAM heads each and its k and v to one more; elsewhere one program does it
+# all. On an H100 (bench/results/2026-12-08-h100-rope-store-split.md) the split made the reference
+# workload 1.5 % faster with the fp8 cache and one stream's decode layer 1.3 % faster, but a bf16 cache
+# at full batch 0.3 % slower.
+Q_HEADS_PER_PROGRAM = 8
+SPLIT_MAX_TOKENS = 16
 
 
 @triton.jit
@@ -67,6 +76,57 @@ def _norm_and_rotate(x_ptr, stride_head, heads, head_mask, cos, sin, norm_ptr, e
 
 
 @triton.jit
+def _rotate_q_heads(q_ptr, q_out_ptr, q_norm_ptr, eps, stride_q_head, stride_out_head, first_head, cos, sin,
+                    NUM_HEADS: tl.constexpr, Q_HEADS_PER_PROGRAM: tl.constexpr, BLOCK_HEADS: tl.constexpr,
+                    HALF_DIM: tl.constexpr, HAS_Q_NORM: tl.constexpr):
+    """Norms and rotates one token's q heads [first_head, first_head + Q_HEADS_PER_PROGRAM) into q_out."""
+    dims = tl.arange(0, HALF_DIM)
+    for head_start in tl.static_range(0, Q_HEADS_PER_PROGRAM, BLOCK_HEADS):
+        heads = first_head + head_start + tl.arange(0, BLOCK_HEADS)
+        mask = heads < tl.minimum(NUM_HEADS, first_head + Q_HEADS_PER_PROGRAM)
+        q1, q2 = _norm_and_rotate(q_ptr, stride_q_head, heads, mask, cos, sin, q_norm_ptr, eps, HALF_DIM, HAS_Q_NORM)
+        dst = q_out_ptr + heads[:, None] * stride_out_head + dims[None, :]
+        tl.store(dst, q1, mask=mask[:, None])
+        tl.store(dst + HALF_DIM, q2, mask=mask[:, None])
+
+
+@triton.jit
+def _store_kv(k_ptr, v_ptr, k_norm_ptr, eps, stride_k_head, stride_v_head, cos, sin,
+              k_dst_ptr, v_dst_ptr, k_scale_ptr, v_scale_ptr, stride_kc_head, stride_vc_head, stride_s_head,
+              NUM_KV_HEADS: tl.constexpr, BLOCK_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+              HAS_K_NORM: tl.constexpr, IS_FP8: tl.constexpr):
+    """Norms and rotates one token's k heads and writes them and its v heads at k_dst_ptr / v_dst_ptr
+    (its cache slot; an fp8 cache's scales at k_scale_ptr / v_scale_ptr)."""
+    HALF_DIM: tl.constexpr = HEAD_DIM // 2
+    dims = tl.arange(0, HALF_DIM)
+    all_dims = tl.arange(0, HEAD_DIM)
+    k_type = k_dst_ptr.dtype.element_ty
+    v_type = v_dst_ptr.dtype.element_ty
+    for kv_start in tl.static_range(0, NUM_KV_HEADS, BLOCK_KV_HEADS):
+        kv_heads = kv_start + tl.arange(0, BLOCK_KV_HEADS)
+        kv_mask = kv_heads < NUM_KV_HEADS
+        k1, k2 = _norm_and_rotate(k_ptr, stride_k_head, kv_heads, kv_mask, cos, sin, k_norm_ptr, eps, HALF_DIM,
+                                  HAS_K_NORM)
+        v = tl.load(v_ptr + kv_heads[:, None] * stride_v_head + all_dims[None, :], mask=kv_mask[:, None])
+        k_dst = k_dst_ptr + kv_heads[:, None] * stride_kc_head + dims[None, :]
+        v_dst = v_dst_ptr + kv_heads[:, None] * stride_vc_head + all_dims[None, :]
+        if IS_FP8:
+            # One scale per head vector, over both rotated halves of k.
+            k_amax = tl.maximum(tl.max(tl.abs(k1.to(tl.float32)), axis=1), tl.max(tl.abs(k2.to(tl.float32)), axis=1))
+            k_scales = fp8_head_scales(k_amax)
+            v_scales = fp8_head_scales(tl.max(tl.abs(v.to(tl.float32)), axis=1))
+            tl.store(k_scale_ptr + kv_heads * stride_s_head, k_scales, mask=kv_mask)
+            tl.store(v_scale_ptr + kv_heads * stride_s_head, v_scales, mask=kv_mask)
+            tl.store(k_dst, fp8_quantize(k1, k_scales, k_type), mask=kv_mask[:, None])
+            tl.store(k_dst + HALF_DIM, fp8_quantize(k2, k_scales, k_type), mask=kv_mask[:, None])
+            tl.store(v_dst, fp8_quantize(v, v_scales, v_type), mask=kv_mask[:, None])
+        else:
+            tl.store(k_dst, k1.to(k_type), mask=kv_mask[:, None])
+            tl.store(k_dst + HALF_DIM, k2.to(k_type), mask=kv_mask[:, None])
+            tl.store(v_dst, v.to(v_type), mask=kv_mask[:, None])
+
+
+@triton.jit
 def _rope_store_kernel(
     q_ptr, k_ptr, v_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, eps,
     q_out_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
@@ -75,64 +135,39 @@ def _rope_store_kernel(
     stride_kc_block, stride_kc_tok, stride_kc_head,
     stride_vc_block, stride_vc_tok, stride_vc_head,
     stride_s_block, stride_s_tok, stride_s_head,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, NUM_Q_PROGRAMS: tl.constexpr, KV_PART: tl.constexpr,
+    Q_HEADS_PER_PROGRAM: tl.constexpr, BLOCK_HEADS: tl.constexpr,
     BLOCK_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, IS_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
+    """Grid (tokens, parts): parts below NUM_Q_PROGRAMS rotate a group of the token's q heads; part
+    KV_PART stores its k and v (a part of its own, or the last q part)."""
     if PDL:
         wait_for_previous_kernel()
     HALF_DIM: tl.constexpr = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
     dims = tl.arange(0, HALF_DIM)
     position = tl.load(positions_ptr + token).to(tl.int64)
     cos = tl.load(cos_ptr + position * stride_cos + dims)[None, :]
     sin = tl.load(sin_ptr + position * stride_sin + dims)[None, :]
-
-    for head_start in tl.static_range(0, NUM_HEADS, BLOCK_HEADS):
-        heads = head_start + tl.arange(0, BLOCK_HEADS)
-        mask = heads < NUM_HEADS
-        q1, q2 = _norm_and_rotate(q_ptr + token * stride_q_tok, stride_q_head, heads, mask, cos, sin,
-                                  q_norm_ptr, eps, HALF_DIM, HAS_Q_NORM)
-        dst = q_out_ptr + token * stride_out_tok + heads[:, None] * stride_out_head + dims[None, :]
-        tl.store(dst, q1, mask=mask[:, None])
-        tl.store(dst + HALF_DIM, q2, mask=mask[:, None])
-
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot >= 0:
-        block = slot // BLOCK_SIZE
-        offset = slot % BLOCK_SIZE
-        all_dims = tl.arange(0, HEAD_DIM)
-        # Names apart from the q loop's: Triton does not let a branch give a variable another shape.
-        for kv_start in tl.static_range(0, NUM_KV_HEADS, BLOCK_KV_HEADS):
-            kv_heads = kv_start + tl.arange(0, BLOCK_KV_HEADS)
-            kv_mask = kv_heads < NUM_KV_HEADS
-            k1, k2 = _norm_and_rotate(k_ptr + token * stride_k_tok, stride_k_head, kv_heads, kv_mask, cos, sin,
-                                      k_norm_ptr, eps, HALF_DIM, HAS_K_NORM)
-            k_dst = (k_cache_ptr + block * stride_kc_block + offset * stride_kc_tok
-                     + kv_heads[:, None] * stride_kc_head + dims[None, :])
-            v = tl.load(v_ptr + token * stride_v_tok + kv_heads[:, None] * stride_v_head + all_dims[None, :],
-                        mask=kv_mask[:, None])
-            v_dst = (v_cache_ptr + block * stride_vc_block + offset * stride_vc_tok
-                     + kv_heads[:, None] * stride_vc_head + all_dims[None, :])
-            k_type = k_cache_ptr.dtype.element_ty
-            v_type = v_cache_ptr.dtype.element_ty
-            if IS_FP8:
-                # One scale per head vector, over both rotated halves of k.
-                k_amax = tl.maximum(tl.max(tl.abs(k1.to(tl.float32)), axis=1),
-                                    tl.max(tl.abs(k2.to(tl.float32)), axis=1))
-                k_scales = fp8_head_scales(k_amax)
-                v_scales = fp8_head_scales(tl.max(tl.abs(v.to(tl.float32)), axis=1))
-                scale_offsets = block * stride_s_block + offset * stride_s_tok + kv_heads * stride_s_head
-                tl.store(k_scale_ptr + scale_offsets, k_scales, mask=kv_mask)
-                tl.store(v_scale_ptr + scale_offsets, v_scales, mask=kv_mask)
-                tl.store(k_dst, fp8_quantize(k1, k_scales, k_type), mask=kv_mask[:, None])
-                tl.store(k_dst + HALF_DIM, fp8_quantize(k2, k_scales, k_type), mask=kv_mask[:, None])
-                tl.store(v_dst, fp8_quantize(v, v_scales, v_type), mask=kv_mask[:, None])
-            else:
-                tl.store(k_dst, k1.to(k_type), mask=kv_mask[:, None])
-                tl.store(k_dst + HALF_DIM, k2.to(k_type), mask=kv_mask[:, None])
-                tl.store(v_dst, v.to(v_type), mask=kv_mask[:, None])
-
+    if part < NUM_Q_PROGRAMS:
+        _rotate_q_heads(q_ptr + token * stride_q_tok, q_out_ptr + token * stride_out_tok, q_norm_ptr, eps,
+                        stride_q_head, stride_out_head, part * Q_HEADS_PER_PROGRAM, cos, sin,
+                        NUM_HEADS, Q_HEADS_PER_PROGRAM, BLOCK_HEADS, HALF_DIM, HAS_Q_NORM)
+    if part == KV_PART:
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        if slot >= 0:
+            block = slot // BLOCK_SIZE
+            offset = slot % BLOCK_SIZE
+            _store_kv(k_ptr + token * stride_k_tok, v_ptr + token * stride_v_tok, k_norm_ptr, eps,
+                      stride_k_head, stride_v_head, cos, sin,
+                      k_cache_ptr + block * stride_kc_block + offset * stride_kc_tok,
+                      v_cache_ptr + block * stride_vc_block + offset * stride_vc_tok,
+                      k_scale_ptr + block * stride_s_block + offset * stride_s_tok,
+                      v_scale_ptr + block * stride_s_block + offset * stride_s_tok,
+                      stride_kc_head, stride_vc_head, stride_s_head,
+                      NUM_KV_HEADS, BLOCK_KV_HEADS, HEAD_DIM, HAS_K_NORM, IS_FP8)
 
 def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -160,8 +195,12 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     if num_tokens == 0:
         return q_out
     max_tile_heads = max(1, _MAX_TILE_ELEMENTS // head_dim)
+    split = is_fp8(k_cache.dtype) or num_tokens <= SPLIT_MAX_TOKENS
+    q_heads_per_program = min(Q_HEADS_PER_PROGRAM, num_heads) if split else num_heads
+    num_q_programs = triton.cdiv(num_heads, q_heads_per_program)
+    kv_part = num_q_programs if split else num_q_programs - 1
     k_scale, v_scale, scale_strides = scale_operands(k_cache, k_scale, v_scale)
-    _rope_store_kernel[(num_tokens,)](
+    _rope_store_kernel[(num_tokens, kv_part + 1)](
         q, k, v, positions, cos, sin,
         q if q_norm_weight is None else q_norm_weight,  # unread placeholders when there is no norm
         q if k_norm_weight is None else k_norm_weight,
@@ -171,8 +210,9 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         *scale_strides,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
-        BLOCK_HEADS=min(triton.next_power_of_2(num_heads), max_tile_heads),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, NUM_Q_PROGRAMS=num_q_programs, KV_PART=kv_part,
+        Q_HEADS_PER_PROGRAM=q_heads_per_program,
+        BLOCK_HEADS=min(triton.next_power_of_2(q_heads_per_program), max_tile_heads),
         BLOCK_KV_HEADS=min(triton.next_power_of_2(num_kv_heads), max_tile_heads),
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         HAS_Q_NORM=q_norm_weight is not None, HAS_K_NORM=k_norm_weight is not None, IS_FP8=is_fp8(k_cache.dtype),
