@@ -36,8 +36,8 @@ pytestmark = pytest.mark.gpu
 LOW = torch.float16 if INTERPRET else torch.bfloat16  # the serving dtype (bf16 on the GPU)
 DTYPES = [LOW, torch.float32]
 HEAD_DIMS = [32, 64] if INTERPRET else [64, 128]
-# Query heads per KV head; with NUM_KV_HEADS, 6 and 8 give a token more q heads than one program takes
-# (Q_HEADS_PER_PROGRAM): two programs, the second partly masked at 12 heads.
+# Query heads per KV head; with NUM_KV_HEADS, 6 and 8 give a token more q heads than one program of a
+# split token takes (Q_HEADS_PER_PROGRAM): two q programs, the second partly masked at 12 heads.
 GROUPS = [1, 2, 4, 6, 8]
 NUM_KV_HEADS = 2
 BLOCK_SIZES = [16, 256]

@@ -40,7 +40,7 @@ _MAX_TILE_ELEMENTS = 2048
 # programs of Q_HEADS_PER_PROGRAM heads each and its k and v to one more; elsewhere one program does it
 # all. On an H100 (bench/results/2026-12-08-h100-rope-store-split.md) the split made the reference
 # workload 1.5 % faster with the fp8 cache and one stream's decode layer 1.3 % faster, but a bf16 cache
-# at full batch 0.3 % slower.
+# at full batch 0.3-0.4 % slower.
 Q_HEADS_PER_PROGRAM = 8
 SPLIT_MAX_TOKENS = 16
 
