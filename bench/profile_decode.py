@@ -13,18 +13,15 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-if TYPE_CHECKING:
-    from common import SamplingParams
-    from offline import LLM
 
 
 def main() -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
+
+    from bench.workload import add_workload_arguments, warmed_up_workload
 
     parser = argparse.ArgumentParser()
     add_workload_arguments(parser)
@@ -56,32 +53,6 @@ def main() -> int:
     print_idle_timeline(spans, args.bins)
     print_idle_by_boundary(spans, args.gap_rows)
     return 0
-
-
-def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of warmed_up_workload (this bench's and bench/step_host_times.py's)."""
-    parser.add_argument("--num-seqs", type=int, default=256)
-    parser.add_argument("--max-len", type=int, default=1024)
-    parser.add_argument("--num-decode-steps", type=int, default=4)
-    parser.add_argument("--work-dir", default="/tmp/nanovllm-bench")
-    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8")
-
-
-def warmed_up_workload(args: argparse.Namespace) -> tuple[LLM, list[list[int]], list[SamplingParams]]:
-    """(the offline engine on the random Qwen3-0.6B, the reference workload's prompts and sampling params)
-    as add_workload_arguments' options ask, after a warm-up generation of 8 of the prompts."""
-    from bench.random_checkpoint import make_random_checkpoint
-    from bench.workload import bench_workload
-    from common import SamplingParams
-    from offline import LLM
-
-    model = make_random_checkpoint(Path(args.work_dir) / "random-qwen3-0.6b")
-    llm = LLM(str(model), max_model_len=4096, num_decode_steps=args.num_decode_steps,
-              kv_cache_dtype=args.kv_cache_dtype)
-    prompts, max_tokens = bench_workload(args.num_seqs, args.max_len, args.max_len)
-    params = [SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True) for m in max_tokens]
-    llm.generate(prompts[:8], params[:8], use_tqdm=False)
-    return llm, prompts, params
 
 
 class GcPauses:

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.profile_decode import add_workload_arguments, warmed_up_workload  # noqa: E402
+from bench.workload import add_workload_arguments, warmed_up_workload  # noqa: E402
 from worker_service.models.llama import LlamaForCausalLM  # noqa: E402
 from worker_service.runtime.model_runner import ModelRunner  # noqa: E402
 from worker_service.runtime.worker import WorkerCore  # noqa: E402

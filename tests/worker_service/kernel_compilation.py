@@ -136,12 +136,12 @@ def variants() -> list[Variant]:
     result += moe_variants()
     # A token's work in one program (a bf16 cache past SPLIT_MAX_TOKENS), or split: two programs of 8 q
     # heads and one for k and v (an fp8 cache, or a few tokens).
-    whole = dict(NUM_Q_PROGRAMS=1, KV_PART=0, Q_HEADS_PER_PROGRAM=16, BLOCK_HEADS=16)
-    split = dict(NUM_Q_PROGRAMS=2, KV_PART=2, Q_HEADS_PER_PROGRAM=8, BLOCK_HEADS=8)
+    whole = dict(Q_HEADS_PER_PROGRAM=16, KV_APART=False, BLOCK_HEADS=16)
+    split = dict(Q_HEADS_PER_PROGRAM=8, KV_APART=True, BLOCK_HEADS=8)
     for has_norm, fp8, parts in ((True, False, whole), (False, False, whole), (True, False, split),
                                  (True, True, split)):
         result.append(Variant(
-            f"rope+store norms={has_norm} fp8={fp8} parts={parts['KV_PART'] + 1}", _rope_store_kernel,
+            f"rope+store norms={has_norm} fp8={fp8} split={parts['KV_APART']}", _rope_store_kernel,
             dict(cache, **parts, NUM_HEADS=16, NUM_KV_HEADS=8, BLOCK_KV_HEADS=8, HAS_Q_NORM=has_norm,
                  HAS_K_NORM=has_norm, IS_FP8=fp8, PDL=True),
             dict(positions_ptr="i64", cos_ptr="fp32", sin_ptr="fp32", slot_mapping_ptr="i64", **kv_types[fp8]),

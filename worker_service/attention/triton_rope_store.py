@@ -135,16 +135,17 @@ def _rope_store_kernel(
     stride_kc_block, stride_kc_tok, stride_kc_head,
     stride_vc_block, stride_vc_tok, stride_vc_head,
     stride_s_block, stride_s_tok, stride_s_head,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, NUM_Q_PROGRAMS: tl.constexpr, KV_PART: tl.constexpr,
-    Q_HEADS_PER_PROGRAM: tl.constexpr, BLOCK_HEADS: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_HEADS_PER_PROGRAM: tl.constexpr,
+    KV_APART: tl.constexpr, BLOCK_HEADS: tl.constexpr,
     BLOCK_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, IS_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Grid (tokens, parts): parts below NUM_Q_PROGRAMS rotate a group of the token's q heads; part
-    KV_PART stores its k and v (a part of its own, or the last q part)."""
+    """Grid (tokens, parts): the first parts rotate Q_HEADS_PER_PROGRAM of the token's q heads each; k
+    and v are stored by one part more (KV_APART) or by the last q part."""
     if PDL:
         wait_for_previous_kernel()
     HALF_DIM: tl.constexpr = HEAD_DIM // 2
+    NUM_Q_PROGRAMS: tl.constexpr = (NUM_HEADS + Q_HEADS_PER_PROGRAM - 1) // Q_HEADS_PER_PROGRAM
     token = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     dims = tl.arange(0, HALF_DIM)
@@ -155,7 +156,7 @@ def _rope_store_kernel(
         _rotate_q_heads(q_ptr + token * stride_q_tok, q_out_ptr + token * stride_out_tok, q_norm_ptr, eps,
                         stride_q_head, stride_out_head, part * Q_HEADS_PER_PROGRAM, cos, sin,
                         NUM_HEADS, Q_HEADS_PER_PROGRAM, BLOCK_HEADS, HALF_DIM, HAS_Q_NORM)
-    if part == KV_PART:
+    if part == NUM_Q_PROGRAMS - 1 + KV_APART:
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         if slot >= 0:
             block = slot // BLOCK_SIZE
@@ -197,10 +198,8 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     max_tile_heads = max(1, _MAX_TILE_ELEMENTS // head_dim)
     split = is_fp8(k_cache.dtype) or num_tokens <= SPLIT_MAX_TOKENS
     q_heads_per_program = min(Q_HEADS_PER_PROGRAM, num_heads) if split else num_heads
-    num_q_programs = triton.cdiv(num_heads, q_heads_per_program)
-    kv_part = num_q_programs if split else num_q_programs - 1
     k_scale, v_scale, scale_strides = scale_operands(k_cache, k_scale, v_scale)
-    _rope_store_kernel[(num_tokens, kv_part + 1)](
+    _rope_store_kernel[(num_tokens, triton.cdiv(num_heads, q_heads_per_program) + int(split))](
         q, k, v, positions, cos, sin,
         q if q_norm_weight is None else q_norm_weight,  # unread placeholders when there is no norm
         q if k_norm_weight is None else k_norm_weight,
@@ -210,8 +209,7 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         *scale_strides,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, NUM_Q_PROGRAMS=num_q_programs, KV_PART=kv_part,
-        Q_HEADS_PER_PROGRAM=q_heads_per_program,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, Q_HEADS_PER_PROGRAM=q_heads_per_program, KV_APART=split,
         BLOCK_HEADS=min(triton.next_power_of_2(q_heads_per_program), max_tile_heads),
         BLOCK_KV_HEADS=min(triton.next_power_of_2(num_kv_heads), max_tile_heads),
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
