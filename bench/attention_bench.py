@@ -263,7 +263,8 @@ def random_length_rows(device: torch.device, num_seqs: int = 256, lengths: tuple
         for what, fn, split_label, swept in runs:
             try:
                 error = relative_error(fn(), reference) if reference is not None else float("nan")
-                ms = bench_ms(fn)
+                with torch.cuda.nvtx.range(what):  # a profiler's filter, e.g. ncu --nvtx-include rand-fp8-lf/
+                    ms = bench_ms(fn)
             except Exception as failure:  # a swept configuration the compiler rejects: report it, go on
                 if not swept:
                     raise

@@ -8,6 +8,13 @@
 #   inprocess   bench/throughput.py, in-process only
 #   fp8         bench/throughput.py in-process and through gRPC with --kv-cache-dtype fp8 (twice, one device
 #               call), then the fp8 KV quality test on the tiny models (tests/worker_service/test_gpu_fp8_kv.py)
+#   fp8-kernel  bench/attention_bench.py at 256 random lengths 100-2047 (bf16 and fp8 caches, share of the copy
+#               bandwidth), then, where Nsight Compute is installed, `ncu --set full` of one launch of the fp8
+#               decode kernel in programs longest first (the NVTX range rand-fp8-lf) into $OUT/ncu-fp8-256.txt
+#   fp8-quality bench/fp8_kv_quality.py on the GPU in bf16 against a float32 reference, 4 windows of 1,024 with
+#               64 decode positions each, on the GGUF at $QUALITY_MODEL (the default model's, carried in parts
+#               by ../shared/device/carry-big-file.sh); skipped with a line when it is unset
+#               (issue 31 in one call: fp8 fp8-kernel fp8-quality throughput latency)
 #   metrics     bench/throughput.py through gRPC with the scheduler's metrics recorded and served, and with
 #               --metrics-port 0 (nothing recorded), twice each in alternating order (issue 11's 1 % bound)
 #   hf          bench/throughput.py, transformers' continuous batching vs ours on the first 32
@@ -109,6 +116,19 @@ for s in ${@:-tests attention throughput}; do
          done
          timeout 300 python3 -m pytest -q -s -x -p no:cacheprovider tests/worker_service/test_gpu_fp8_kv.py \
            tests/worker_service/test_triton_fp8_kv.py 2>&1 | tee "$OUT/fp8-tests.log" | tail -15 ;;
+    fp8-kernel) timeout 200 python3 bench/attention_bench.py --random-lengths 256 2>&1 \
+           | tee "$OUT/attention-random-256.log" | tail -8
+         if command -v ncu >/dev/null; then
+           timeout 300 ncu --set full --clock-control none --nvtx --nvtx-include "rand-fp8-lf/" \
+             -k regex:_decode_kernel --launch-skip 2 --launch-count 1 \
+             python3 bench/attention_bench.py --random-lengths 256 >"$OUT/ncu-fp8-256.txt" 2>&1
+           grep -E "Duration|DRAM Throughput|Registers Per|Achieved Occupancy" "$OUT/ncu-fp8-256.txt"
+         else echo "no ncu on this machine: the kernel's timing above is the evidence"; fi ;;
+    fp8-quality) if [ -n "${QUALITY_MODEL:-}" ]; then
+           timeout 500 python3 bench/fp8_kv_quality.py --device cuda --dtype bfloat16 --reference-dtype float32 \
+             --model "$QUALITY_MODEL" --num-windows 4 --window-len 1024 --num-decode-positions 64 2>&1 \
+             | tee "$OUT/fp8-quality.log" | tail -8
+         else echo "fp8-quality: QUALITY_MODEL (the default model's GGUF) is not set; skipped"; fi ;;
     metrics) for order in grpc,grpc-no-metrics grpc-no-metrics,grpc; do
                timeout 280 python3 bench/throughput.py --modes $order --hf-num-seqs 0 \
                  --json-out "$OUT/metrics-${order%%,*}-first.json" 2>&1 | tee "$OUT/metrics-${order%%,*}-first.log" | tail -6

@@ -124,6 +124,10 @@ def test_model_runner_serves_from_an_fp8_cache(tmp_path) -> None:
     assert layer.k_scale.data_ptr() == runner.kv_scales[1, 0].data_ptr()
     rng = random.Random(0)
     windows = [[rng.randrange(512) for _ in range(60)] for _ in range(2)]
-    report = compare(str(path), windows, device="cpu", dtype="float32", chunk_len=16, num_decode_positions=8)
+    report = compare(str(path), windows, device="cpu", dtype="float32", chunk_len=16, num_decode_positions=8,
+                     reference_dtype="float32")
     assert report.num_positions == 118
     assert report.top1_agreement >= 0.95, report.lines()
+    # The reference run is the auto run's twin here (float32, unquantized cache): the same predictions.
+    assert report.reference_agreement == {"auto": 1.0, "fp8": report.top1_agreement}
+    assert "top-1 agreement with the float32 reference: auto 1.0000" in report.lines()[-1]
