@@ -14,7 +14,7 @@
 #   fp8-quality bench/fp8_kv_quality.py on the GPU in bf16 against a float32 reference, 4 windows of 1,024 with
 #               64 decode positions each, on the GGUF at $QUALITY_MODEL (the default model's, carried in parts
 #               by ../shared/device/carry-big-file.sh); skipped with a line when it is unset
-#               (issue 31 in one call: fp8 fp8-kernel fp8-quality throughput latency)
+#               (issue 31: fp8 fp8-kernel fp8-quality throughput throughput latency, over calls of 600 s)
 #   metrics     bench/throughput.py through gRPC with the scheduler's metrics recorded and served, and with
 #               --metrics-port 0 (nothing recorded), twice each in alternating order (issue 11's 1 % bound)
 #   hf          bench/throughput.py, transformers' continuous batching vs ours on the first 32
@@ -90,8 +90,10 @@ latency_stage() {  # one stream in-process (with profiles), then through gRPC
 }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown) $(date -u +%FT%TZ)" | tee -a "$OUT/gpu.txt"
+declare -A runs  # how often each stage has run: a stage named twice (`throughput throughput`) keeps both logs
 for s in ${@:-tests attention throughput}; do
-  echo "=== $s"
+  runs[$s]=$(( ${runs[$s]:-0} + 1 )); n=${runs[$s]}
+  echo "=== $s ($n)"
   case $s in
     tests) timeout 540 python3 -m pytest -q -x -p no:cacheprovider tests/worker_service/test_triton_invariant.py \
              tests/worker_service/test_gpu_deterministic.py tests/worker_service/test_triton_attention.py \
@@ -106,10 +108,10 @@ for s in ${@:-tests attention throughput}; do
              2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     profile) timeout 300 python3 bench/profile_decode.py 2>&1 | grep -v Warn | tee "$OUT/profile.log" | tail -40 ;;
     attention) timeout 240 python3 bench/attention_bench.py 2>&1 | tee "$OUT/attention.log" | tail -30 ;;
-    throughput) timeout 540 python3 bench/throughput.py --modes inprocess,grpc --json-out "$OUT/throughput.json" \
-             2>&1 | tee "$OUT/throughput.log" | tail -25 ;;
-    inprocess) timeout 400 python3 bench/throughput.py --modes inprocess --json-out "$OUT/inprocess.json" \
-             2>&1 | tee "$OUT/inprocess.log" | tail -25 ;;
+    throughput) timeout 540 python3 bench/throughput.py --modes inprocess,grpc --json-out "$OUT/throughput-$n.json" \
+             2>&1 | tee "$OUT/throughput-$n.log" | tail -25 ;;
+    inprocess) timeout 400 python3 bench/throughput.py --modes inprocess --json-out "$OUT/inprocess-$n.json" \
+             2>&1 | tee "$OUT/inprocess-$n.log" | tail -25 ;;
     fp8) for run in 1 2; do
            timeout 400 python3 bench/throughput.py --modes inprocess,grpc --kv-cache-dtype fp8 \
              --json-out "$OUT/fp8-$run.json" 2>&1 | tee "$OUT/fp8-$run.log" | tail -8
