@@ -130,32 +130,31 @@ def compare(model: str, windows: list[list[int]], device: str = "cpu", dtype: st
         runs["reference"] = (reference_dtype, "auto")
     runners = {name: make_runner(model, device, run_dtype, kv_cache_dtype, num_blocks, max(chunk_len, 64))
                for name, (run_dtype, kv_cache_dtype) in runs.items()}
-    nll = dict.fromkeys(runs, 0.0)
-    # Positions where two runs' top-1 agree, keyed by the pair: fp8 with auto, each with the reference.
-    pairs = [("fp8", "auto")] + ([("auto", "reference"), ("fp8", "reference")] if reference_dtype else [])
-    agree = dict.fromkeys(pairs, 0)
-    positions = 0
+    nll = {"auto": 0.0, "fp8": 0.0}
+    agree = positions = 0
+    # Positions where each run's top-1 is the reference run's, where there is one.
+    reference_agree = dict.fromkeys(nll, 0) if reference_dtype is not None else {}
     margins: list[float] = []
     amax_k = amax_v = None
     for tokens in windows:
         target = torch.tensor(tokens[1:])
-        logits = {}
-        for name, runner in runners.items():
-            logits[name] = window_logits(runner, tokens, chunk_len, num_decode_positions)[:-1]
+        logits = {name: window_logits(runner, tokens, chunk_len, num_decode_positions)[:-1]
+                  for name, runner in runners.items()}
+        for name in nll:
             nll[name] += torch.nn.functional.cross_entropy(logits[name], target, reduction="sum").item()
+        top1 = {name: window.argmax(-1) for name, window in logits.items()}
         k, v = layer_amax(runners["auto"], -(-len(tokens) // BLOCK_SIZE))
         amax_k = k if amax_k is None else [max(a, b) for a, b in zip(amax_k, k, strict=True)]
         amax_v = v if amax_v is None else [max(a, b) for a, b in zip(amax_v, v, strict=True)]
-        top1 = {name: window.argmax(-1) for name, window in logits.items()}
-        for first, second in pairs:
-            agree[first, second] += (top1[first] == top1[second]).sum().item()
         same = top1["auto"] == top1["fp8"]
+        agree += same.sum().item()
+        for name in reference_agree:
+            reference_agree[name] += (top1[name] == top1["reference"]).sum().item()
         top2 = logits["auto"][~same].topk(2, dim=-1).values
         margins += (top2[:, 0] - top2[:, 1]).tolist()
         positions += len(tokens) - 1
-    reference = None if reference_dtype is None else {
-        name: agree[name, "reference"] / positions for name in ("auto", "fp8")}
-    return QualityReport(positions, agree["fp8", "auto"] / positions, math.exp(nll["auto"] / positions),
+    reference = {name: count / positions for name, count in reference_agree.items()} or None
+    return QualityReport(positions, agree / positions, math.exp(nll["auto"] / positions),
                          math.exp(nll["fp8"] / positions), amax_k, amax_v, margins, reference, reference_dtype)
 
 

@@ -170,6 +170,7 @@ def _rope_store_kernel(
                       stride_kc_head, stride_vc_head, stride_s_head,
                       NUM_KV_HEADS, BLOCK_KV_HEADS, HEAD_DIM, HAS_K_NORM, IS_FP8)
 
+
 def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, *, q_norm_weight: torch.Tensor | None = None,
@@ -196,7 +197,8 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     if num_tokens == 0:
         return q_out
     max_tile_heads = max(1, _MAX_TILE_ELEMENTS // head_dim)
-    split = is_fp8(k_cache.dtype) or num_tokens <= SPLIT_MAX_TOKENS
+    fp8 = is_fp8(k_cache.dtype)
+    split = fp8 or num_tokens <= SPLIT_MAX_TOKENS
     q_heads_per_program = min(Q_HEADS_PER_PROGRAM, num_heads) if split else num_heads
     k_scale, v_scale, scale_strides = scale_operands(k_cache, k_scale, v_scale)
     _rope_store_kernel[(num_tokens, triton.cdiv(num_heads, q_heads_per_program) + int(split))](
@@ -213,7 +215,7 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         BLOCK_HEADS=min(triton.next_power_of_2(q_heads_per_program), max_tile_heads),
         BLOCK_KV_HEADS=min(triton.next_power_of_2(num_kv_heads), max_tile_heads),
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        HAS_Q_NORM=q_norm_weight is not None, HAS_K_NORM=k_norm_weight is not None, IS_FP8=is_fp8(k_cache.dtype),
+        HAS_Q_NORM=q_norm_weight is not None, HAS_K_NORM=k_norm_weight is not None, IS_FP8=fp8,
         # An FMA would skip the rounding of a product that the eager composition performs.
         enable_fp_fusion=False, num_warps=4, **pdl_options(q.device),
     )
